@@ -1,0 +1,395 @@
+"""FP4 number formats: the bit-level reference every kernel is checked against.
+
+This module is the executable form of the numerics contract (docs/numerics.md): NVFP4 (E2M1 values,
+16-element blocks with E4M3 scales and an FP32 per-tensor scale), MXFP4 (32-element blocks with E8M0
+scales), stochastic rounding, the 16x16 random Hadamard transform, and the 128x4 swizzled scale layout
+of Blackwell block-scaled GEMMs. Everything is plain PyTorch on float32 so that it runs on any device;
+GPU kernels elsewhere in the package must produce the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "E2M1_VALUES",
+    "DEFAULT_RHT_SIGNS",
+    "QTensor",
+    "quantize",
+    "dequantize",
+    "block_decode",
+    "global_decode_scale",
+    "encode_e2m1",
+    "decode_e2m1",
+    "pack_e2m1",
+    "unpack_e2m1",
+    "sr_random_bits",
+    "rht",
+    "hadamard_matrix",
+    "swizzle_scales",
+    "unswizzle_scales",
+    "swizzled_offset",
+]
+
+FLT_MAX = torch.finfo(torch.float32).max
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+# 2688 = E2M1_MAX * E4M3_MAX: the global scale maps amax to the largest representable product.
+NVFP4_GLOBAL = E2M1_MAX * E4M3_MAX
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Magnitude thresholds between neighbouring E2M1 values, with whether a tie goes up (to the
+# neighbour with the even code). Codes 0..7 index E2M1_VALUES; even codes win ties.
+_E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+DEFAULT_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+_FORMAT_BLOCKS = {
+    "nvfp4": ("1x16", "16x16"),
+    "mxfp4": ("1x32",),
+}
+_BLOCK_SHAPES = {"1x16": (1, 16), "16x16": (16, 16), "1x32": (1, 32)}
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass
+class QTensor:
+    """A tensor quantized to an FP4 format.
+
+    ``data`` holds two E2M1 codes per byte (``torch.float4_e2m1fn_x2``, shape ``[..., K/2]``, the element
+    with the even index in the low nibble). ``scales`` holds one block scale per block along the last
+    dim (``[..., K/block]``, row-major, unswizzled; for 16x16 tiles each row carries its tile's scale).
+    ``amax`` is the global absolute maximum (float32, 0-dim) for NVFP4 and ``None`` for MXFP4.
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    amax: Optional[torch.Tensor]
+    fmt: str
+    block: str
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def codes(self) -> torch.Tensor:
+        """The unpacked 4-bit codes as uint8, shape ``self.shape``."""
+        return unpack_e2m1(self.data)
+
+    def transpose(self) -> "QTensor":
+        """The quantized transpose of a 16x16-tile quantized matrix (same codes, transposed).
+
+        Only 16x16 tiles are transpose-invariant: the tile scale serves its rows and its columns.
+        """
+        if self.block != "16x16":
+            raise ValueError(f"only 16x16-tile quantized tensors can be transposed, got block={self.block!r}")
+        codes = self.codes().transpose(-1, -2).contiguous()
+        tiles = self.scales[..., ::16, :]  # one row of scales per 16-row tile: [..., R/16, C/16]
+        scales = tiles.transpose(-1, -2).repeat_interleave(16, dim=-2).contiguous()
+        shape = self.shape[:-2] + (self.shape[-1], self.shape[-2])
+        return QTensor(pack_e2m1(codes), scales, self.amax, self.fmt, self.block, torch.Size(shape), self.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# E2M1 element codes
+# ----------------------------------------------------------------------------------------------
+
+
+def _e2m1_index_rne(mag: torch.Tensor) -> torch.Tensor:
+    """Index into E2M1_VALUES of the nearest value to ``mag`` (>= 0), ties to even, saturating at 6."""
+    idx = torch.zeros(mag.shape, dtype=torch.uint8, device=mag.device)
+    for threshold, tie_up in _E2M1_THRESHOLDS:
+        idx += (mag >= threshold if tie_up else mag > threshold).to(torch.uint8)
+    return idx
+
+
+def _e2m1_index_sr(mag: torch.Tensor, rand_bits: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of ``mag`` (>= 0) onto the E2M1 grid, saturating at 6.
+
+    With lo <= mag < hi the two grid neighbours, the result is hi with probability (mag - lo)/(hi - lo).
+    The draw is u = (bits >> 8) * 2**-24 from 32 random bits, and hi is taken when u < (mag - lo)/(hi - lo).
+    Grid steps are powers of two and hi <= 2*lo, so the fraction is exact in float32.
+    """
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=mag.device)
+    mag = torch.clamp(mag, max=E2M1_MAX)
+    # Index of the largest grid value <= mag.
+    lo_idx = torch.zeros(mag.shape, dtype=torch.int64, device=mag.device)
+    for v in E2M1_VALUES[1:]:
+        lo_idx += (mag >= v).to(torch.int64)
+    hi_idx = torch.clamp(lo_idx + 1, max=7)
+    lo = values[lo_idx]
+    step = values[hi_idx] - lo
+    frac = torch.where(step > 0, (mag - lo) / torch.where(step > 0, step, 1.0), 0.0)
+    u = (rand_bits >> 8).to(torch.float32) * (2.0**-24)
+    return torch.where(u < frac, hi_idx, lo_idx).to(torch.uint8)
+
+
+def encode_e2m1(v: torch.Tensor, rounding: str = "rne", rand_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """float32 values -> 4-bit codes (uint8, sign << 3 | index), saturating at +-6.
+
+    NaN has no E2M1 encoding; callers keep NaN visible through the scales (see ``quantize``).
+    """
+    mag = v.abs()
+    if rounding == "rne":
+        idx = _e2m1_index_rne(mag)
+    elif rounding == "sr":
+        if rand_bits is None:
+            raise ValueError("stochastic rounding needs rand_bits")
+        idx = _e2m1_index_sr(mag, rand_bits)
+    else:
+        raise ValueError(f"rounding must be 'rne' or 'sr', got {rounding!r}")
+    sign = (torch.signbit(v)).to(torch.uint8) << 3
+    return sign | idx
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8) -> float32 values."""
+    table = torch.tensor(E2M1_VALUES + tuple(-x for x in E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., K] -> ``torch.float4_e2m1fn_x2`` [..., K/2], even element in the low nibble."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"cannot pack an odd number of E2M1 codes along the last dim: shape {tuple(codes.shape)}")
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    return packed.contiguous().view(torch.float4_e2m1fn_x2)
+
+
+def unpack_e2m1(data: torch.Tensor) -> torch.Tensor:
+    """``torch.float4_e2m1fn_x2`` (or uint8) [..., K/2] -> uint8 codes [..., K]."""
+    raw = data.view(torch.uint8)
+    return torch.stack((raw & 0xF, raw >> 4), dim=-1).reshape(*raw.shape[:-1], raw.shape[-1] * 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stochastic rounding bits: a counter-based generator, identical on every device
+# ----------------------------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) held in int64, without int64 overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (xorshift-multiply, 'lowbias32') on int64 tensors holding uint32."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    x = x ^ (x >> 16)
+    return x
+
+
+def sr_random_bits(numel: int, seed: int, device=None) -> torch.Tensor:
+    """The 32 random bits (int64 holding uint32) stochastic rounding uses for elements 0..numel-1.
+
+    bits[i] = h(h((i mod 2**32) xor k0) xor ((i >> 32) xor k1)), with k0, k1 the low and high 32 bits of
+    ``seed`` and h the lowbias32 mixer. Counter-based, so any kernel on any device can produce the same
+    bits for the same (seed, element index).
+    """
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    idx = torch.arange(numel, dtype=torch.int64, device=device)
+    return _hash32(_hash32((idx & _M32) ^ k0) ^ ((idx >> 32) ^ k1))
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantize / dequantize
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_args(x: torch.Tensor, fmt: str, block: str, rounding: str) -> None:
+    if fmt not in _FORMAT_BLOCKS:
+        raise ValueError(f"unknown FP4 format {fmt!r}; expected one of {sorted(_FORMAT_BLOCKS)}")
+    if block not in _FORMAT_BLOCKS[fmt]:
+        raise ValueError(f"block {block!r} is not valid for {fmt}; expected one of {_FORMAT_BLOCKS[fmt]}")
+    if rounding not in ("rne", "sr"):
+        raise ValueError(f"rounding must be 'rne' or 'sr', got {rounding!r}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"quantize takes float32, bfloat16 or float16 tensors, got {x.dtype} of shape {tuple(x.shape)}")
+    rows, cols = _BLOCK_SHAPES[block]
+    if x.dim() < (2 if rows > 1 else 1):
+        raise ValueError(f"block {block} needs a tensor with at least {2 if rows > 1 else 1} dims, got shape {tuple(x.shape)}")
+    if x.shape[-1] % cols:
+        raise ValueError(
+            f"last dim of shape {tuple(x.shape)} is not a multiple of the block size {cols} (block {block}); pad it first"
+        )
+    if rows > 1 and x.shape[-2] % rows:
+        raise ValueError(
+            f"dim -2 of shape {tuple(x.shape)} is not a multiple of the tile height {rows} (block {block}); pad it first"
+        )
+
+
+def _block_amax(xf: torch.Tensor, block: str) -> torch.Tensor:
+    """Per-block absolute maximum, broadcast back to one value per 1xK-block row: shape [..., K/cols]."""
+    rows, cols = _BLOCK_SHAPES[block]
+    a = xf.abs()
+    k = a.shape[-1]
+    a = a.reshape(*a.shape[:-1], k // cols, cols).amax(dim=-1)  # [..., R, K/cols]
+    if rows > 1:
+        r = a.shape[-2]
+        tiles = a.reshape(*a.shape[:-2], r // rows, rows, k // cols).amax(dim=-2)  # [..., R/16, K/16]
+        a = tiles.repeat_interleave(rows, dim=-2)
+    return a
+
+
+def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S_enc = min(2688 / amax, FLT_MAX), replaced by 1 where amax == 0 or S_enc == 0."""
+    s = torch.clamp(NVFP4_GLOBAL / amax, max=FLT_MAX)  # clamp keeps NaN
+    return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
+
+
+def global_decode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 2688 as the decode formula computes it: amax * fp32(1/2688)."""
+    return amax.float() * torch.tensor(1.0 / NVFP4_GLOBAL, dtype=torch.float32)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str = "nvfp4",
+    block: str = "1x16",
+    rounding: str = "rne",
+    generator: Optional[torch.Generator] = None,
+    amax: Optional[torch.Tensor] = None,
+    seed: Optional[int] = None,
+) -> QTensor:
+    """Quantize ``x`` to an FP4 format, blocks along the last dim (or 16x16 tiles over the last two).
+
+    ``rounding="sr"`` rounds the E2M1 codes stochastically (scales stay round-to-nearest-even). Its
+    random bits come from ``sr_random_bits(x.numel(), seed)``; without ``seed`` the seed is drawn from
+    ``generator`` (or torch's default generator), so a seeded generator reproduces the same bits.
+    ``amax`` overrides the global absolute maximum (e.g. one all-reduced across ranks).
+    """
+    _check_args(x, fmt, block, rounding)
+    xf = x.float()
+    rand_bits = None
+    if rounding == "sr":
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (), generator=generator, device=generator.device if generator else "cpu"))
+        rand_bits = sr_random_bits(xf.numel(), seed, device=xf.device).reshape(xf.shape)
+    cols = _BLOCK_SHAPES[block][1]
+    bamax = _block_amax(xf, block)
+    if fmt == "nvfp4":
+        g_amax = xf.abs().amax() if amax is None else amax.detach().float().reshape(())
+        s_enc = global_encode_scale(g_amax)
+        s_dec = 1.0 / s_enc
+        sf32 = bamax * (s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32))
+        sf = torch.clamp(sf32, max=E4M3_MAX).to(torch.float8_e4m3fn)
+        enc = torch.clamp(1.0 / (sf.float() * s_dec), max=FLT_MAX)
+        v = xf * enc.repeat_interleave(cols, dim=-1)
+        codes = encode_e2m1(v, rounding, rand_bits)
+        return QTensor(pack_e2m1(codes), sf, g_amax.reshape(()).clone(), fmt, block, x.shape, x.dtype)
+    # MXFP4: scale = 2**(floor(log2(bamax)) - 2), an E8M0 power of two clamped to [2**-127, 2**127].
+    _, e = torch.frexp(bamax)
+    exp = torch.where(bamax > 0, e.to(torch.int32) - 1 - 2, torch.full_like(e, -127, dtype=torch.int32))
+    exp = torch.clamp(exp, -127, 127)
+    biased = (exp + 127).to(torch.uint8)
+    biased = torch.where(torch.isfinite(bamax), biased, torch.full_like(biased, 0xFF))  # 0xFF is NaN
+    scales = biased.view(torch.float8_e8m0fnu)
+    scale32 = torch.exp2(exp.to(torch.float32))
+    v = xf / scale32.repeat_interleave(cols, dim=-1)
+    codes = encode_e2m1(v, rounding, rand_bits)
+    return QTensor(pack_e2m1(codes), scales, None, fmt, block, x.shape, x.dtype)
+
+
+def block_decode(q: QTensor) -> torch.Tensor:
+    """value(code) * block scale, in float32: what the tensor core multiplies before alpha is applied.
+
+    Every E2M1 x E4M3 (or E2M1 x E8M0) product is exact in float32 and in bfloat16.
+    """
+    cols = _BLOCK_SHAPES[q.block][1]
+    vals = decode_e2m1(q.codes())
+    return vals * q.scales.float().repeat_interleave(cols, dim=-1)
+
+
+def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The exact inverse used by the emulated GEMM: value(code) * ((sf * amax) * fp32(1/2688)) for NVFP4,
+    value(code) * scale for MXFP4."""
+    cols = _BLOCK_SHAPES[q.block][1]
+    vals = decode_e2m1(q.codes())
+    if q.fmt == "nvfp4":
+        scale = (q.scales.float() * q.amax.float()) * torch.tensor(1.0 / NVFP4_GLOBAL, dtype=torch.float32)
+    else:
+        scale = q.scales.float()
+    return (vals * scale.repeat_interleave(cols, dim=-1)).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Random Hadamard transform
+# ----------------------------------------------------------------------------------------------
+
+
+def hadamard_matrix(size: int = 16, signs=None, device=None) -> torch.Tensor:
+    """diag(signs) @ H_size / sqrt(size) in float32, H the Sylvester Hadamard matrix."""
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {size}")
+    h = torch.ones(1, 1, dtype=torch.float32)
+    while h.shape[0] < size:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    if signs is None:
+        if size != len(DEFAULT_RHT_SIGNS):
+            raise ValueError(f"the default sign vector has 16 entries; pass signs for size {size}")
+        signs = DEFAULT_RHT_SIGNS
+    s = torch.as_tensor(signs, dtype=torch.float32)
+    if s.shape != (size,):
+        raise ValueError(f"signs must have {size} entries, got shape {tuple(s.shape)}")
+    return (s[:, None] * h * (1.0 / math.sqrt(size))).to(device)
+
+
+def rht(x: torch.Tensor, size: int = 16, signs=None) -> torch.Tensor:
+    """Blockwise random Hadamard transform along the last dim: each ``size`` chunk c -> c @ H.
+
+    Computed in float32, returned in ``x.dtype``. Applying it to both operands along a GEMM's
+    reduction dim leaves the product unchanged (H is orthogonal).
+    """
+    if x.shape[-1] % size:
+        raise ValueError(f"RHT of size {size} needs the last dim to be a multiple of {size}, got shape {tuple(x.shape)}")
+    h = hadamard_matrix(size, signs, device=x.device)
+    xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // size, size)
+    return (xf @ h).reshape(x.shape).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Swizzled scale layout of Blackwell block-scaled GEMMs
+# ----------------------------------------------------------------------------------------------
+
+
+def swizzled_offset(r, c, cols: int):
+    """Byte offset of scale (r, c) of a [rows, cols] scale matrix in the 128x4 tiled layout.
+
+    Tiles of 128 rows x 4 scale columns, row-major over tiles; inside a tile the 32-row groups
+    interleave: ((r//128 * ceil(cols/4) + c//4) * 32 + r%32) * 16 + ((r%128)//32) * 4 + c%4.
+    """
+    return (((r // 128) * ((cols + 3) // 4) + c // 4) * 32 + r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+def swizzle_scales(scales: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] scales -> flat tiled layout of round_up(rows,128) * round_up(cols,4) bytes, zero padded."""
+    if scales.dim() != 2:
+        raise ValueError(f"swizzle_scales takes a 2-D scale matrix, got shape {tuple(scales.shape)}")
+    rows, cols = scales.shape
+    pr, pc = -(-rows // 128) * 128, -(-cols // 4) * 4
+    raw = torch.zeros(pr, pc, dtype=torch.uint8, device=scales.device)
+    raw[:rows, :cols] = scales.view(torch.uint8)
+    # [pr/128, 4, 32, pc/4, 4] -> [pr/128, pc/4, 32, 4(row groups), 4(cols)]
+    tiled = raw.reshape(pr // 128, 4, 32, pc // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiled.reshape(-1).view(scales.dtype)
+
+
+def unswizzle_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of ``swizzle_scales``: the [rows, cols] scales, padding dropped."""
+    pr, pc = -(-rows // 128) * 128, -(-cols // 4) * 4
+    raw = swizzled.reshape(-1).view(torch.uint8)
+    if raw.numel() != pr * pc:
+        raise ValueError(f"swizzled scales hold {raw.numel()} bytes; [{rows}, {cols}] needs {pr * pc}")
+    tiled = raw.reshape(pr // 128, pc // 4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(pr, pc)
+    return tiled[:rows, :cols].contiguous().view(swizzled.dtype)
