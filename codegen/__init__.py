@@ -1,0 +1,77 @@
+"""Kernel selection for FP4 GEMMs: CUTLASS block-scaled kernels on Blackwell, emulation elsewhere.
+
+Like an executor registry, every GEMM shape is offered to the kernel providers in order; each one
+says whether it can take the call and why not. The choice and its reason are stored in the report.
+
+| kernel name | where | what |
+|---|---|---|
+| ``cutlass:<config>`` | sm_100 GPUs with CUDA torch | generated CUTLASS SM100 block-scaled NVFP4 GEMM |
+| ``emulation`` | everywhere | block-decode both operands (exact), matmul with fp32 accumulation, alpha |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from fp4compile import ops
+
+log = logging.getLogger("fp4compile")
+
+_notices: set[str] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    name: str
+    reason: str
+
+
+def _notice(message: str) -> None:
+    if message not in _notices:
+        _notices.add(message)
+        log.warning("fp4compile: %s", message)
+
+
+def _cutlass_choice(m, n, k, fmt, out_dtype, device):
+    """(KernelChoice or None, reason it was not taken)."""
+    if fmt != "nvfp4":
+        return None, f"CUTLASS kernels are generated for NVFP4 only, not {fmt}"
+    if device.type != "cuda":
+        return None, f"device {device} is not a CUDA GPU"
+    try:
+        from . import cutlass_gemm
+    except ImportError as exc:
+        return None, f"CUTLASS code generation unavailable: {exc}"
+    ok, why = cutlass_gemm.device_supports_cutlass(device)
+    if not ok:
+        return None, why
+    config, why = cutlass_gemm.select_config(m, n, k, out_dtype)
+    if config is None:
+        return None, why
+    try:
+        cutlass_gemm.load(config)
+    except Exception as exc:  # a failed build never stops training: fall back with the compiler's error
+        return None, f"CUTLASS build failed, using emulation: {exc}"
+    return KernelChoice(f"cutlass:{config.key}", why), ""
+
+
+def choose_kernel(m, n, k, fmt: str, out_dtype: torch.dtype, device) -> KernelChoice:
+    """The kernel for C[m, n] = A[m, k] @ B[n, k]^T in ``fmt`` on ``device``."""
+    device = torch.device(device)
+    choice, why_not = _cutlass_choice(m, n, k, fmt, out_dtype, device)
+    if choice is not None:
+        return choice
+    if device.type == "cuda":
+        _notice(f"FP4 GEMMs run in emulation on {torch.cuda.get_device_name(device)}: {why_not}")
+    return KernelChoice("emulation", why_not)
+
+
+def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype):
+    if kernel.startswith("cutlass:"):
+        from . import cutlass_gemm
+
+        return cutlass_gemm.run(kernel.split(":", 1)[1], a, a_scales, a_amax, b, b_scales, b_amax, out_dtype)
+    return ops.scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)

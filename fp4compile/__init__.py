@@ -1,5 +1,40 @@
-"""fp4compile: train PyTorch models with NVFP4 arithmetic through torch.compile."""
+"""fp4compile: train PyTorch models with NVFP4 arithmetic through ``torch.compile``.
 
-from . import formats
+    import fp4compile
+    model = torch.compile(model, backend="nvfp4")
+"""
+
+from . import formats, ops, runtime
+from .backend import Backend, get_backend, nvfp4_backend
+from .passes.pipeline import precision_pass, print_pipeline
+from .recipe import Recipe
+from .runtime import get_rng_state, manual_seed, set_rng_state
+from .sites import GemmSite
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "GemmSite",
+    "Recipe",
+    "formats",
+    "get_backend",
+    "get_rng_state",
+    "manual_seed",
+    "nvfp4_backend",
+    "ops",
+    "precision_pass",
+    "print_pipeline",
+    "runtime",
+    "set_rng_state",
+]
+
+
+def _register() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "nvfp4" not in _BACKENDS or _BACKENDS["nvfp4"] is None:
+        register_backend(name="nvfp4")(nvfp4_backend)
+
+
+_register()

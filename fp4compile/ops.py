@@ -1,0 +1,226 @@
+"""The ``fp4`` operator namespace: the nodes the passes insert into FX graphs.
+
+Each op has a reference implementation (fp4compile.formats, any device), a fake implementation for
+tracing, and, where the codegen module has one, a faster kernel. Tensors cross op boundaries in plain
+dtypes (packed E2M1 codes and E4M3/E8M0 scales as ``uint8``) so that every inner compiler can hold them
+in buffers; ``formats.QTensor`` is rebuilt inside the implementations.
+
+| op | meaning |
+|---|---|
+| ``fp4.gemm(a, b, role, site)`` | role-tagged C = a @ b.T in the compute dtype (before lowering) |
+| ``fp4.quantize(x, fmt, block, rounding, seed)`` | packed codes, block scales, global amax |
+| ``fp4.dequantize(data, scales, amax, fmt, block, dtype)`` | the exact decode of NUMERICS |
+| ``fp4.rht(x, size)`` | blockwise random Hadamard transform along the last dim |
+| ``fp4.scaled_mm(a, sa, amax_a, b, sb, amax_b, fmt, out_dtype, kernel)`` | FP4 GEMM, fp32 accumulate |
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import formats
+from . import runtime
+
+ROLES = ("fprop", "dgrad", "wgrad")
+_BLOCK_COLS = {"1x16": 16, "16x16": 16, "1x32": 32}
+
+
+def _qtensor(data, scales, amax, fmt, block, shape, dtype=torch.float32) -> formats.QTensor:
+    scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
+    return formats.QTensor(
+        data.view(torch.float4_e2m1fn_x2),
+        scales.view(scale_dtype),
+        amax if fmt == "nvfp4" else None,
+        fmt,
+        block,
+        torch.Size(shape),
+        dtype,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# fp4.gemm: the role-tagged GEMM the marking pass produces (high precision until lowered)
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fp4::gemm", mutates_args=())
+def gemm(a: torch.Tensor, b: torch.Tensor, role: str, site: int, dtype: torch.dtype) -> torch.Tensor:
+    """C = a @ b.T in ``dtype`` (the model's compute dtype) with a [M, K], b [N, K].
+
+    Operands arrive as the model holds them (e.g. fp32 master weights under BF16 autocast), so that
+    quantization reads the full-precision tensor and fprop and dgrad quantize the same weight.
+    """
+    return a.to(dtype) @ b.to(dtype).t()
+
+
+@gemm.register_fake
+def _(a, b, role, site, dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp4.quantize / fp4.dequantize
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fp4::quantize", mutates_args=())
+def quantize(
+    x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (packed codes uint8 [M, K/2], block scales uint8 [M, K/block], amax fp32 0-dim).
+
+    With ``rounding == "sr"`` the random stream is ``runtime.sr_seed(seed)``: the graph's constant mixed
+    with the SR state, which advances after every backward pass. A non-empty ``check`` names the
+    operand ("layer role operand"): non-finite input then raises ``FloatingPointError``.
+    """
+    kernel = runtime.quantize_kernel(x, fmt, block)
+    stream = runtime.sr_seed(seed) if rounding == "sr" else 0
+    if kernel is not None:
+        data, scales, amax = kernel(x, rounding, stream)
+    else:
+        q = formats.quantize(x, fmt, block, rounding, seed=stream)
+        data, scales = q.data.view(torch.uint8), q.scales.view(torch.uint8)
+        amax = q.amax if q.amax is not None else x.float().abs().amax()
+    if check and not bool(torch.isfinite(amax)):
+        runtime.raise_non_finite(check, x)
+    return data, scales, amax
+
+
+@quantize.register_fake
+def _(x, fmt, block, rounding, seed, check):
+    cols = _BLOCK_COLS[block]
+    shape = x.shape[:-1]
+    return (
+        x.new_empty((*shape, x.shape[-1] // 2), dtype=torch.uint8),
+        x.new_empty((*shape, x.shape[-1] // cols), dtype=torch.uint8),
+        x.new_empty((), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("fp4::dequantize", mutates_args=())
+def dequantize(
+    data: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, fmt: str, block: str, dtype: torch.dtype
+) -> torch.Tensor:
+    shape = (*data.shape[:-1], data.shape[-1] * 2)
+    return formats.dequantize(_qtensor(data, scales, amax, fmt, block, shape), dtype)
+
+
+@dequantize.register_fake
+def _(data, scales, amax, fmt, block, dtype):
+    return data.new_empty((*data.shape[:-1], data.shape[-1] * 2), dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp4.rht
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fp4::rht", mutates_args=())
+def rht(x: torch.Tensor, size: int) -> torch.Tensor:
+    """Blockwise random Hadamard transform along the last dim, default sign vector."""
+    # The output keeps the input's layout (as the fake does), whatever strides the compiler picks.
+    return torch.empty_like(x).copy_(formats.rht(x, size))
+
+
+@rht.register_fake
+def _(x, size):
+    return torch.empty_like(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp4.scaled_mm
+# ---------------------------------------------------------------------------------------------
+
+
+def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype):
+    """Emulated block-scaled FP4 GEMM: (block-decoded A) @ (block-decoded B).T with fp32 accumulation,
+    then alpha = amax_A * amax_B / 2688**2 (NVFP4) applied once, as a Blackwell epilogue does."""
+    block = "1x16" if fmt == "nvfp4" else "1x32"
+    qa = _qtensor(a, a_scales, a_amax, fmt, block, (*a.shape[:-1], a.shape[-1] * 2))
+    qb = _qtensor(b, b_scales, b_amax, fmt, block, (*b.shape[:-1], b.shape[-1] * 2))
+    acc = formats.block_decode(qa) @ formats.block_decode(qb).t()
+    if fmt == "nvfp4":
+        acc = acc * formats.global_decode_scale(a_amax) * formats.global_decode_scale(b_amax)
+    return acc.to(out_dtype)
+
+
+@torch.library.custom_op("fp4::scaled_mm", mutates_args=())
+def scaled_mm(
+    a: torch.Tensor,
+    a_scales: torch.Tensor,
+    a_amax: torch.Tensor,
+    b: torch.Tensor,
+    b_scales: torch.Tensor,
+    b_amax: torch.Tensor,
+    fmt: str,
+    out_dtype: torch.dtype,
+    kernel: str,
+) -> torch.Tensor:
+    """C = A @ B.T for packed FP4 operands A [M, K/2], B [N, K/2]; ``kernel`` names the implementation
+    chosen by codegen at compile time (see ``fp4compile.codegen``)."""
+    from fp4compile import codegen
+
+    return codegen.run_scaled_mm(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
+
+
+@scaled_mm.register_fake
+def _(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, kernel):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp4.linear: what the marking pass puts in the dynamo graph
+# ---------------------------------------------------------------------------------------------
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+class _LinearFunction(torch.autograd.Function):
+    """y = x W^T + b whose forward and backward are three role-tagged ``fp4.gemm`` calls.
+
+    aot_autograd traces through this function, so the forward graph holds the fprop GEMM and the
+    backward graph the dgrad and wgrad GEMMs, each tagged with its role and GEMM site for the passes.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, site: int, dtype: torch.dtype):
+        x2 = x.reshape(-1, x.shape[-1])
+        y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype)
+        if bias is not None:
+            y = y + bias.to(dtype)
+        ctx.save_for_backward(x2, weight)
+        ctx.site, ctx.dtype = site, dtype
+        ctx.x_shape = x.shape
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, w = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype)
+            dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch.ops.fp4.gemm(dy2.t(), x2.t(), "wgrad", ctx.site, ctx.dtype).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2.sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], site: int) -> torch.Tensor:
+    """``F.linear`` whose three GEMMs carry role and site tags (see ``_LinearFunction``)."""
+    return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x))
+
+
+linear.__name__ = "fp4_linear"

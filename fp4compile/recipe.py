@@ -1,0 +1,115 @@
+"""The training recipe: which GEMMs run in FP4 and how they are quantized."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Optional, Sequence, Union
+
+BlockCount = Union[int, float, None]
+
+FORMATS = ("nvfp4", "mxfp4")
+HIGH = "high"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """NVFP4 training recipe (defaults reproduce the published 12B/10T-token recipe).
+
+    fmt: "nvfp4" (E2M1 + E4M3 scales per 16 + FP32 tensor scale) or "mxfp4" (E8M0 scales per 32).
+    rht: 16x16 random Hadamard transform on both operands of the weight-gradient GEMM.
+    stochastic_rounding: SR for gradients (dY in dgrad and wgrad); everything else rounds to nearest even.
+    weight_2d: 16x16 tile scaling of weights, so fprop and dgrad see one quantized weight.
+    high_precision_first_blocks / high_precision_last_blocks: blocks kept in high precision at each end;
+        an int is a count, a float in (0, 1) a fraction of the blocks, None the recipe's proportions
+        (first max(1, round(n*2/62)), last max(1, round(n*8/62)) of n blocks).
+    high_precision_modules: fnmatch patterns of module paths kept in high precision (lm_head, embeddings).
+    quantize_backward: False quantizes the forward (fprop) GEMMs only.
+    seed: base of the stochastic-rounding stream.
+    switch_to_high_precision_at: step (see ``Backend.step``) from which every GEMM runs in high
+        precision, the recipe's "switch to BF16 before the end" schedule; recompiles once.
+    check_finite: raise an error naming the layer, GEMM role and operand when a quantized tensor holds
+        NaN or Inf (costs a device-to-host sync per quantized tensor).
+    """
+
+    fmt: str = "nvfp4"
+    rht: bool = True
+    rht_size: int = 16
+    stochastic_rounding: bool = True
+    weight_2d: bool = True
+    high_precision_first_blocks: BlockCount = None
+    high_precision_last_blocks: BlockCount = None
+    high_precision_modules: Sequence[str] = ("lm_head", "*.lm_head", "*embed*", "*wte", "*wpe")
+    quantize_backward: bool = True
+    seed: int = 0
+    switch_to_high_precision_at: Optional[int] = None
+    check_finite: bool = False
+
+    def __post_init__(self):
+        if self.fmt not in FORMATS:
+            raise ValueError(f"Recipe.fmt must be one of {FORMATS}, got {self.fmt!r}")
+        if self.rht_size != 16:
+            raise ValueError(f"Recipe.rht_size: only 16-point transforms are supported, got {self.rht_size}")
+        for name in ("high_precision_first_blocks", "high_precision_last_blocks"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"Recipe.{name} must be a count >= 0, a fraction in (0, 1) or None, got {value!r}")
+            if isinstance(value, float) and not 0 <= value < 1:
+                raise ValueError(f"Recipe.{name}: a float is a fraction of the blocks in [0, 1), got {value}")
+        if isinstance(self.high_precision_modules, str):
+            object.__setattr__(self, "high_precision_modules", (self.high_precision_modules,))
+        object.__setattr__(self, "high_precision_modules", tuple(self.high_precision_modules))
+
+    @property
+    def weight_block(self) -> str:
+        if self.fmt == "mxfp4":
+            return "1x32"
+        return "16x16" if self.weight_2d else "1x16"
+
+    @property
+    def activation_block(self) -> str:
+        return "1x32" if self.fmt == "mxfp4" else "1x16"
+
+    @property
+    def block_size(self) -> int:
+        return 32 if self.fmt == "mxfp4" else 16
+
+    def replace(self, **changes) -> "Recipe":
+        return dataclasses.replace(self, **changes)
+
+    def high_precision_block_counts(self, n_blocks: int) -> tuple[int, int]:
+        """(first, last) numbers of blocks kept in high precision for a model of ``n_blocks`` blocks."""
+
+        def resolve(value, default_share):
+            if value is None:
+                return max(1, round(n_blocks * default_share)) if n_blocks else 0
+            if isinstance(value, float):
+                return round(n_blocks * value)
+            return int(value)
+
+        first = resolve(self.high_precision_first_blocks, 2 / 62)
+        last = resolve(self.high_precision_last_blocks, 8 / 62)
+        return min(first, n_blocks), min(last, n_blocks)
+
+    def matches_high_precision_module(self, name: str) -> Optional[str]:
+        for pattern in self.high_precision_modules:
+            if fnmatch.fnmatchcase(name, pattern):
+                return pattern
+        return None
+
+    @classmethod
+    def from_options(cls, options: Optional[dict]) -> "Recipe":
+        """A recipe from ``torch.compile(..., options={...})``: Recipe fields by name, or "recipe"."""
+        options = dict(options or {})
+        if "recipe" in options:
+            recipe = options.pop("recipe")
+            if not isinstance(recipe, Recipe):
+                raise TypeError(f"options['recipe'] must be a fp4compile.Recipe, got {type(recipe).__name__}")
+            return recipe.replace(**options) if options else recipe
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - fields)
+        if unknown:
+            raise ValueError(f"unknown nvfp4 backend options {unknown}; Recipe fields are {sorted(fields)}")
+        return cls(**options)

@@ -1,0 +1,125 @@
+"""GEMM sites and the compile context the passes share."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Optional
+
+import torch
+
+from .recipe import HIGH, Recipe
+
+log = logging.getLogger("fp4compile")
+
+ROLES = ("fprop", "dgrad", "wgrad")
+
+
+@dataclasses.dataclass
+class RoleInfo:
+    """One of a site's three GEMMs. ``shape`` is (M, N, K) of C[M, N] = A[M, K] @ B[N, K]^T."""
+
+    role: str
+    precision: str = HIGH
+    reason: str = ""
+    shape: Optional[tuple] = None
+    kernel: Optional[str] = None
+    kernel_reason: str = ""
+    rht: bool = False
+    rounding: tuple = ()  # (operand A rounding, operand B rounding)
+    blocks: tuple = ()  # (operand A block, operand B block)
+
+    @property
+    def flops(self) -> int:
+        if not self.shape:
+            return 0
+        m, n, k = self.shape
+        return 2 * int(m) * int(n) * int(k)
+
+
+@dataclasses.dataclass
+class GemmSite:
+    """A GEMM of the model with a parameter operand: a linear layer, or a matmul with a parameter.
+
+    ``name`` is the module path (for a matmul, the owning module's path and the parameter name),
+    ``block`` the index of the block it belongs to (None outside blocks), ``precision`` the format its
+    GEMMs run in ("nvfp4", "mxfp4" or "high"), ``reason`` the rule that decided it.
+    """
+
+    index: int
+    name: str
+    kind: str  # "linear" or "matmul"
+    module_type: str
+    in_features: int
+    out_features: int
+    input_shape: tuple
+    has_bias: bool
+    node_name: str
+    graph_id: int = 0
+    block: Optional[int] = None
+    block_name: Optional[str] = None
+    precision: str = HIGH
+    reason: str = ""
+    roles: dict = dataclasses.field(default_factory=dict)
+
+    def set_precision(self, precision: str, reason: str) -> None:
+        """Set the site's precision; passes call this and say why (shown in reports)."""
+        if precision not in ("nvfp4", "mxfp4", HIGH):
+            raise ValueError(f"{self.name}: precision must be 'nvfp4', 'mxfp4' or 'high', got {precision!r}")
+        self.precision = precision
+        self.reason = reason
+
+    @property
+    def is_low_precision(self) -> bool:
+        return self.precision != HIGH
+
+    @property
+    def tokens(self) -> int:
+        n = 1
+        for d in self.input_shape[:-1]:
+            n *= int(d)
+        return n
+
+
+@dataclasses.dataclass
+class StageGraph:
+    """A snapshot of a graph after a pass: ``stage`` is "dynamo", "forward" or "backward"."""
+
+    graph_id: int
+    stage: str
+    pass_name: str
+    code: str
+    changes: str = ""
+
+
+class CompileContext:
+    """What the passes of one compiled graph share: the recipe, the GEMM sites and the log of changes."""
+
+    def __init__(self, recipe: Recipe, graph_id: int, model: Optional[torch.nn.Module] = None, record=None):
+        self.recipe = recipe
+        self.graph_id = graph_id
+        self.model = model
+        self.sites: list[GemmSite] = []
+        self.n_blocks = 0
+        self.block_names: list[str] = []
+        self.graphs: list[StageGraph] = []
+        self._record = record
+        self.fallbacks: list[str] = []
+
+    def site(self, index: int) -> GemmSite:
+        return self.sites[index]
+
+    def note(self, message: str) -> None:
+        log.info("fp4compile: %s", message)
+
+    def fallback(self, site: GemmSite, role: str, reason: str) -> None:
+        """A GEMM kept in high precision for a reason other than the policy: logged and reported."""
+        message = f"{site.name} {role}: kept in high precision: {reason}"
+        self.fallbacks.append(message)
+        log.warning("fp4compile: %s", message)
+
+    def record(self, stage: str, pass_name: str, gm: torch.fx.GraphModule, changes: str = "") -> None:
+        graph = StageGraph(self.graph_id, stage, pass_name, gm.print_readable(print_output=False), changes)
+        self.graphs.append(graph)
+        if self._record is not None:
+            self._record(graph)

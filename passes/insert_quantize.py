@@ -1,0 +1,70 @@
+"""insert_quantize: quantize and dequantize both operands of every low-precision GEMM.
+
+Requires: ``plan_gemm_roles`` (and ``insert_rht`` if the recipe has the RHT).
+Guarantees: each low-precision ``fp4.gemm`` reads ``fp4.dequantize(fp4.quantize(operand))`` for both
+operands, with the blocks and rounding of its plan (the graph stays runnable: this is the
+quantize-dequantize form the lowering pattern-matches). SR quantize nodes carry a seed constant unique
+to (recipe seed, site, role, operand). With ``Recipe(check_finite=True)`` each quantize names its
+operand for the non-finite error.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fp4compile import runtime
+from fp4compile.sites import CompileContext
+
+from .plan_gemm_roles import gemm_nodes
+
+QUANTIZE = torch.ops.fp4.quantize.default
+DEQUANTIZE = torch.ops.fp4.dequantize.default
+
+OPERAND_NAMES = {"fprop": ("X", "W"), "dgrad": ("dY", "W^T"), "wgrad": ("dY^T", "X^T")}
+
+
+def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    inserted = 0
+    recipe = ctx.recipe
+    for node in gemm_nodes(gm):
+        info = node.meta.get("fp4_role")
+        if info is None or info.precision == "high":
+            continue
+        site = ctx.sites[node.args[3]]
+        new_args = list(node.args)
+        for i in (0, 1):
+            operand = node.args[i]
+            block, rounding = info.blocks[i], info.rounding[i]
+            seed = runtime.node_seed(recipe.seed, site.index + 4096 * ctx.graph_id, info.role, i)
+            label = f"{site.name} {info.role} {OPERAND_NAMES[info.role][i]}" if recipe.check_finite else ""
+            val = operand.meta["val"]
+            with gm.graph.inserting_before(node):
+                q = gm.graph.call_function(QUANTIZE, (operand, info.precision, block, rounding, seed, label))
+                parts = [gm.graph.call_function(operator.getitem, (q, j)) for j in range(3)]
+                dq = gm.graph.call_function(DEQUANTIZE, (*parts, info.precision, block, torch.float32))
+            q.meta["fp4_quantize"] = {"site": site.name, "role": info.role, "operand": OPERAND_NAMES[info.role][i], "block": block, "rounding": rounding}
+            parts_val = _fake_outputs(val, info.precision, block)
+            q.meta["val"] = parts_val
+            for j, p in enumerate(parts):
+                p.meta["val"] = parts_val[j]
+            dq.meta["val"] = val.new_empty(val.shape, dtype=torch.float32)
+            new_args[i] = dq
+            inserted += 1
+        node.args = tuple(new_args)
+    gm.graph.lint()
+    gm.recompile()
+    ctx.note(f"graph {ctx.graph_id}: inserted {inserted} quantize nodes")
+    return gm
+
+
+def _fake_outputs(val, fmt, block):
+    cols = 32 if block == "1x32" else 16
+    lead = val.shape[:-1]
+    return (
+        val.new_empty((*lead, val.shape[-1] // 2), dtype=torch.uint8),
+        val.new_empty((*lead, val.shape[-1] // cols), dtype=torch.uint8),
+        val.new_empty((), dtype=torch.float32),
+    )

@@ -1,0 +1,53 @@
+"""mark_fp4_linear: replace each low-precision GEMM site by ``fp4.linear(x, w, b, site)``.
+
+Requires: ``assign_precision`` (and any user precision passes).
+Guarantees: every site with precision != "high" whose feature dims fit the format's blocks is computed
+by ``fp4compile.ops.linear``, whose autograd emits three ``fp4.gemm`` nodes tagged fprop/dgrad/wgrad
+once aot_autograd traces the graph; a matmul ``x @ W`` becomes ``fp4.linear(x, W.t(), None)``.
+Sites whose in/out features are not multiples of the block size stay as they are, set to "high" with
+the reason recorded. High-precision sites are not touched: they compute exactly what the model wrote.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fp4compile import ops
+from fp4compile.recipe import HIGH
+from fp4compile.sites import CompileContext
+
+
+def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    bs = ctx.recipe.block_size
+    marked = 0
+    for node in list(gm.graph.nodes):
+        index = node.meta.get("fp4_site")
+        if index is None or node.op != "call_function":
+            continue
+        site = ctx.sites[index]
+        if not site.is_low_precision:
+            continue
+        bad = [f"{name}={dim}" for name, dim in (("in_features", site.in_features), ("out_features", site.out_features)) if dim % bs]
+        if bad:
+            reason = f"{', '.join(bad)} not a multiple of the {site.precision} block size {bs}"
+            ctx.fallback(site, "all GEMMs", reason)
+            site.set_precision(HIGH, reason)
+            continue
+        with gm.graph.inserting_before(node):
+            if site.kind == "linear":
+                x, weight = node.args[0], node.args[1]
+                bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            else:
+                x, param = node.args
+                weight = gm.graph.call_function(torch.t, (param,))
+                bias = None
+            new = gm.graph.call_function(ops.linear, (x, weight, bias, index))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        marked += 1
+    gm.graph.lint()
+    gm.recompile()
+    ctx.note(f"graph {ctx.graph_id}: marked {marked} linears as fp4.linear")
+    return gm

@@ -1,0 +1,102 @@
+"""The pass pipeline of the nvfp4 backend, declared in one place.
+
+Dynamo-level passes run on the torch-level FX graph dynamo captures; user precision passes run right
+after ``assign_precision``; aot-level passes run on the forward and on the backward graph that
+aot_autograd traces from the marked graph (they see the three role-tagged GEMMs of every FP4 linear).
+
+    find_gemm_sites -> find_blocks -> assign_precision -> [user passes] -> mark_fp4_linear
+    ──aot_autograd──▶ plan_gemm_roles -> insert_rht -> insert_quantize -> lower_scaled_mm
+
+Every pass is ``fn(gm, ctx) -> gm`` in its own module, with a docstring saying what it requires and
+guarantees. ``print_pipeline()`` prints this list; ``FP4COMPILE_PRINT_IR_AFTER=all`` (or a comma list
+of pass names) prints the graph after those passes while compiling.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import torch.fx as fx
+
+from fp4compile.sites import CompileContext
+
+from .assign_precision import assign_precision
+from .find_blocks import find_blocks
+from .find_gemm_sites import find_gemm_sites
+from .insert_quantize import insert_quantize
+from .insert_rht import insert_rht
+from .lower_scaled_mm import lower_scaled_mm
+from .mark_fp4_linear import mark_fp4_linear
+from .plan_gemm_roles import plan_gemm_roles
+
+Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
+
+DYNAMO_PASSES: list[Pass] = [find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear]
+# User precision passes are inserted at this index of DYNAMO_PASSES (after assign_precision).
+USER_PASS_INDEX = DYNAMO_PASSES.index(assign_precision) + 1
+AOT_PASSES: list[Pass] = [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm]
+
+
+def pass_name(p: Pass) -> str:
+    return getattr(p, "pass_name", None) or getattr(p, "__name__", type(p).__name__)
+
+
+def precision_pass(fn: Pass = None, *, name: str = None):
+    """Decorator marking a user precision pass ``fn(gm, ctx) -> gm`` (optionally naming it).
+
+    A precision pass reads ``ctx.sites`` (module path, block index, shapes, kind) and calls
+    ``site.set_precision("high" | "nvfp4" | "mxfp4", reason)``. Pass it as ``Backend(passes=[fn])``.
+    """
+
+    def wrap(f):
+        f.pass_name = name or f.__name__
+        return f
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def dynamo_pipeline(user_passes: Sequence[Pass] = ()) -> list[Pass]:
+    return DYNAMO_PASSES[:USER_PASS_INDEX] + list(user_passes) + DYNAMO_PASSES[USER_PASS_INDEX:]
+
+
+def _summary(p: Pass) -> str:
+    """First line of the pass's docstring, or of its module's (built-in passes document the module)."""
+    import sys
+
+    doc = p.__doc__ or getattr(sys.modules.get(p.__module__), "__doc__", None) or "user pass"
+    first = doc.strip().splitlines()[0]
+    return first.split(": ", 1)[1] if first.startswith(pass_name(p) + ":") else first
+
+
+def print_pipeline(user_passes: Sequence[Pass] = ()) -> str:
+    """The pipeline as text: stage, pass name and the first line of its docstring."""
+    lines = ["dynamo graph:"]
+    for p in dynamo_pipeline(user_passes):
+        lines.append(f"  {pass_name(p):18s} {_summary(p)}")
+    lines.append("aot_autograd forward and backward graphs:")
+    for p in AOT_PASSES:
+        lines.append(f"  {pass_name(p):18s} {_summary(p)}")
+    return "\n".join(lines)
+
+
+def _print_after(selection, name: str) -> bool:
+    selection = selection if selection is not None else os.environ.get("FP4COMPILE_PRINT_IR_AFTER", "")
+    if not selection:
+        return False
+    names = {s.strip() for s in (selection.split(",") if isinstance(selection, str) else selection)}
+    return "all" in names or name in names
+
+
+def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Pass], stage: str, print_ir_after=None):
+    ctx.record(stage, "input", gm)
+    for p in passes:
+        name = pass_name(p)
+        out = p(gm, ctx)
+        if out is not None:
+            gm = out
+        ctx.record(stage, name, gm)
+        if _print_after(print_ir_after, name):
+            print(f"# ---- fp4compile: graph {ctx.graph_id} {stage} after {name} ----")
+            print(ctx.graphs[-1].code)
+    return gm
