@@ -267,7 +267,8 @@ def quantize(
     ``rounding="sr"`` rounds the E2M1 codes stochastically (scales stay round-to-nearest-even). Its
     random bits come from ``sr_random_bits(x.numel(), seed)``; without ``seed`` the seed is drawn from
     ``generator`` (or torch's default generator), so a seeded generator reproduces the same bits.
-    ``amax`` overrides the global absolute maximum (e.g. one all-reduced across ranks).
+    ``amax`` overrides the global absolute maximum (e.g. one all-reduced across ranks); a NaN/Inf
+    amax of ``x`` itself still wins, so non-finite input stays visible.
     """
     _check_args(x, fmt, block, rounding)
     xf = x.float()
@@ -279,7 +280,10 @@ def quantize(
     cols = _BLOCK_SHAPES[block][1]
     bamax = _block_amax(xf, block)
     if fmt == "nvfp4":
-        g_amax = xf.abs().amax() if amax is None else amax.detach().float().reshape(())
+        g_amax = xf.abs().amax()
+        if amax is not None:
+            # A finite override must not hide NaN/Inf in x: a non-finite amax of x wins over it.
+            g_amax = torch.where(torch.isfinite(g_amax), amax.detach().float().reshape(()), g_amax)
         s_enc = global_encode_scale(g_amax)
         s_dec = 1.0 / s_enc
         sf32 = bamax * (s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32))

@@ -27,10 +27,10 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def node_seed(recipe_seed: int, site: int, role: str, operand: int) -> int:
+def node_seed(recipe_seed: int, site_key: int, role: str, operand: int) -> int:
     """The constant a quantize node carries for its SR stream (stable across processes)."""
     role_code = {"fprop": 1, "dgrad": 2, "wgrad": 3}[role]
-    return _mix64((recipe_seed * 1_000_003 + site) * 16 + role_code * 2 + operand) & ((1 << 63) - 1)
+    return _mix64(((recipe_seed * 1_000_003 + site_key) * 16 + role_code * 2 + operand) & _MASK64) & ((1 << 63) - 1)
 
 
 def manual_seed(seed: int) -> None:

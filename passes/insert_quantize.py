@@ -4,13 +4,14 @@ Requires: ``plan_gemm_roles`` (and ``insert_rht`` if the recipe has the RHT).
 Guarantees: each low-precision ``fp4.gemm`` reads ``fp4.dequantize(fp4.quantize(operand))`` for both
 operands, with the blocks and rounding of its plan (the graph stays runnable: this is the
 quantize-dequantize form the lowering pattern-matches). SR quantize nodes carry a seed constant unique
-to (recipe seed, site, role, operand). With ``Recipe(check_finite=True)`` each quantize names its
+to (recipe seed, site name, role, operand). With ``Recipe(check_finite=True)`` each quantize names its
 operand for the non-finite error.
 """
 
 from __future__ import annotations
 
 import operator
+import zlib
 
 import torch
 import torch.fx as fx
@@ -38,7 +39,7 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         for i in (0, 1):
             operand = node.args[i]
             block, rounding = info.blocks[i], info.rounding[i]
-            seed = runtime.node_seed(recipe.seed, site.index + 4096 * ctx.graph_id, info.role, i)
+            seed = runtime.node_seed(recipe.seed, zlib.crc32(site.name.encode()), info.role, i)
             label = f"{site.name} {info.role} {OPERAND_NAMES[info.role][i]}" if recipe.check_finite else ""
             val = operand.meta["val"]
             with gm.graph.inserting_before(node):

@@ -1,0 +1,16 @@
+import pytest
+import torch
+
+
+def _is_blackwell() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
+
+
+def pytest_collection_modifyitems(config, items):
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_blackwell = pytest.mark.skip(reason="needs an sm_100 (Blackwell) GPU")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "blackwell" in item.keywords and not _is_blackwell():
+            item.add_marker(no_blackwell)

@@ -1,0 +1,82 @@
+"""Small models for the backend tests (own code, no downloads)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, n_head: int):
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, bias: bool = True):
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d, bias=bias)
+        self.out = nn.Linear(4 * d, d, bias=bias)
+
+    def forward(self, x):
+        return self.out(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, n_head: int, bias: bool = True):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, n_head)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = MLP(d, bias)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, n_layer=4, d=32, n_head=2, vocab=64, seq=32, tied=False, bias=True):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, d)
+        self.pos_emb = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList([Block(d, n_head, bias) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tied:
+            self.lm_head.weight = self.tok_emb.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class MLPStack(nn.Module):
+    """n blocks of Linear-GELU-Linear with a residual, for precision-plan tests of any depth."""
+
+    def __init__(self, n_blocks: int, d: int = 16):
+        super().__init__()
+        self.layers = nn.ModuleList([MLP(d) for _ in range(n_blocks)])
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def lm_loss(logits, idx):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))

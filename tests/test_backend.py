@@ -1,0 +1,344 @@
+"""End-to-end behaviour of the nvfp4 backend on small models (CPU)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fp4compile
+from fp4compile import Backend, Recipe
+from models import MLPStack, TinyGPT, lm_loss
+from recipe_reference import reference_recipe
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    fp4compile.manual_seed(0)
+    yield
+    torch._dynamo.reset()
+
+
+def _gpt(**kw):
+    torch.manual_seed(0)
+    return TinyGPT(**kw)
+
+
+def _train_step(model, backend, idx):
+    compiled = torch.compile(model, backend=backend)
+    logits = compiled(idx)
+    loss = lm_loss(logits, idx)
+    loss.backward()
+    return logits, loss
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_backend_string_is_registered():
+    from torch._dynamo.backends.registry import list_backends
+
+    assert "nvfp4" in list_backends(exclude_tags=())
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_matches_eager_reference_recipe_bit_for_bit(fmt):
+    """Forward and all gradients equal an eager quantize->dequantize->matmul implementation (SR off)."""
+    d = 64 if fmt == "mxfp4" else 32
+    model = _gpt(n_layer=4, d=d)
+    ref_model = copy.deepcopy(model)
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    backend = Backend(inner="eager", fmt=fmt, stochastic_rounding=False)
+    logits, _ = _train_step(model, backend, idx)
+    fp4_sites = [s.name for s in backend.report.sites if s.precision == fmt]
+    assert fp4_sites == [f"blocks.{b}.{m}" for b in (1, 2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.out")]
+    with reference_recipe(ref_model, fp4_sites, fmt=fmt):
+        ref_logits = ref_model(idx)
+        lm_loss(ref_logits, idx).backward()
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    got, want = _grads(model), _grads(ref_model)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+
+
+def test_inductor_matches_eager_inner():
+    """Inductor fuses the surrounding ops differently: results agree to fp32 accumulation-order noise."""
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
+    results = {}
+    for inner in ("eager", "inductor"):
+        torch._dynamo.reset()
+        model = _gpt(n_layer=4)
+        logits, loss = _train_step(model, Backend(inner=inner, stochastic_rounding=False), idx)
+        results[inner] = (logits.detach(), loss.item(), model.blocks[1].mlp.fc.weight.grad.clone())
+    (le, lossе, ge), (li, lossi, gi) = results["eager"], results["inductor"]
+    assert abs(lossе - lossi) < 1e-3
+    assert (li - le).norm() / le.norm() < 1e-2
+    assert (gi - ge).norm() / ge.norm() < 5e-2
+
+
+def test_sr_gradients_are_unbiased_over_seeds():
+    """With SR on, the mean weight gradient over many SR streams approaches the RNE-free exact one."""
+    model = _gpt(n_layer=4)
+    idx = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(3))
+    backend = Backend(inner="eager", rht=False, weight_2d=False)
+    compiled = torch.compile(model, backend=backend)
+    weight = model.blocks[1].mlp.fc.weight
+    grads = []
+    for seed in range(16):
+        fp4compile.manual_seed(seed)
+        model.zero_grad()
+        lm_loss(compiled(idx), idx).backward()
+        grads.append(weight.grad.clone())
+    grads = torch.stack(grads)
+    # Reference: the same model with SR off (RNE on dY); SR noise averages out, so the SR mean is
+    # closer to the high-precision gradient than single SR draws are.
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    lm_loss(ref(idx), idx).backward()
+    exact = ref.blocks[1].mlp.fc.weight.grad
+    single = (grads - exact).norm(dim=(1, 2)).mean()
+    mean = (grads.mean(0) - exact).norm()
+    assert mean < 0.8 * single
+    assert not torch.equal(grads[0], grads[1]), "different SR streams must draw different bits"
+
+
+def test_sr_is_reproducible_from_the_same_state():
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(4))
+    runs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        fp4compile.manual_seed(7)
+        model = _gpt(n_layer=4)
+        compiled = torch.compile(model, backend=Backend(inner="eager"))
+        losses = []
+        for _step in range(2):
+            model.zero_grad()
+            loss = lm_loss(compiled(idx), idx)
+            loss.backward()
+            losses.append(loss.item())
+        runs.append((losses, _grads(model)))
+    assert runs[0][0] == runs[1][0]
+    for name in runs[0][1]:
+        assert torch.equal(runs[0][1][name], runs[1][1][name]), name
+
+
+@pytest.mark.parametrize(
+    "n_blocks, first, last",
+    [(1, 1, 1), (4, 1, 1), (12, 1, 2), (62, 2, 8)],
+)
+def test_precision_plan_follows_the_recipe_proportions(n_blocks, first, last):
+    torch.manual_seed(0)
+    model = MLPStack(n_blocks)
+    backend = Backend(inner="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 16, 16))
+    sites = backend.report.sites
+    assert backend.report.n_blocks == n_blocks
+    high_blocks = sorted({s.block for s in sites if s.block is not None and s.precision == "high"})
+    expected = sorted(set(range(first)) | set(range(n_blocks - last, n_blocks)))
+    assert high_blocks == expected
+    assert all(s.precision == "nvfp4" for s in sites if s.block is not None and s.block not in expected)
+    head = next(s for s in sites if s.name == "head")
+    assert head.block is None and head.precision == "nvfp4"  # not matched by lm_head patterns
+    for s in sites:
+        if s.precision == "high":
+            assert "first" in s.reason or "last" in s.reason
+
+
+def test_gpt_plan_keeps_lm_head_and_ends_high():
+    model = _gpt(n_layer=12, tied=True)
+    backend = Backend(inner="eager")
+    idx = torch.randint(0, 64, (2, 32))
+    _train_step(model, backend, idx)
+    by_name = {s.name: s for s in backend.report.sites}
+    assert by_name["lm_head"].precision == "high" and "lm_head" in by_name["lm_head"].reason
+    assert {s.block for s in backend.report.sites if s.precision == "high" and s.block is not None} == {0, 10, 11}
+    # Tied weight: the embedding received gradients from both uses.
+    assert model.tok_emb.weight.grad is not None and torch.isfinite(model.tok_emb.weight.grad).all()
+
+
+def test_tied_lm_head_in_fp4_trains():
+    model = _gpt(n_layer=4, tied=True)
+    backend = Backend(inner="eager", high_precision_modules=())
+    _, loss = _train_step(model, backend, torch.randint(0, 64, (2, 32)))
+    lm_head = next(s for s in backend.report.sites if s.name == "lm_head")
+    assert lm_head.precision == "nvfp4"
+    assert torch.isfinite(loss) and torch.isfinite(model.tok_emb.weight.grad).all()
+
+
+def test_biasless_and_odd_shapes_fall_back_with_reason(caplog):
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(32, 32, bias=False), nn.Linear(32, 24)) for _ in range(5)])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b[0](x) + b[1](x).sum(-1, keepdim=True)
+            return x
+
+    torch.manual_seed(0)
+    model = Odd()
+    backend = Backend(inner="eager")
+    with caplog.at_level("WARNING", logger="fp4compile"):
+        y = torch.compile(model, backend=backend)(torch.randn(3, 16, 32))
+        y.sum().backward()
+    sites = {s.name: s for s in backend.report.sites}
+    assert sites["blocks.2.0"].precision == "nvfp4"
+    odd = sites["blocks.2.1"]
+    assert odd.precision == "high" and "out_features=24 not a multiple" in odd.reason
+    assert any("blocks.2.1" in f and "out_features=24" in f for f in backend.report.fallbacks)
+    assert "blocks.2.1" in caplog.text
+
+
+def test_token_count_not_multiple_of_16_keeps_wgrad_high():
+    model = _gpt(n_layer=4)
+    backend = Backend(inner="eager")
+    _train_step(model, backend, torch.randint(0, 64, (1, 9)))  # 9 tokens
+    site = next(s for s in backend.report.sites if s.name == "blocks.1.mlp.fc")
+    assert site.roles["fprop"].precision == "nvfp4"
+    assert site.roles["dgrad"].precision == "nvfp4"
+    assert site.roles["wgrad"].precision == "high"
+    assert "K=9" in site.roles["wgrad"].reason
+
+
+def test_eval_no_grad_runs_fprop_only():
+    model = _gpt(n_layer=4).eval()
+    backend = Backend(inner="eager")
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(torch.randint(0, 64, (2, 32)))
+    assert out.shape == (2, 32, 64)
+    for s in backend.report.sites:
+        assert set(s.roles) == {"fprop"}
+    assert not any(g.stage == "backward" for g in backend.report.graphs)
+
+
+def test_custom_precision_pass_keeps_attention_projection_high():
+    @fp4compile.precision_pass
+    def keep_attn_proj_high(gm, ctx):
+        for site in ctx.sites:
+            if site.name.endswith("attn.proj"):
+                site.set_precision("high", "user: attention output projections in BF16")
+        return gm
+
+    model = _gpt(n_layer=4)
+    backend = Backend(inner="eager", passes=[keep_attn_proj_high])
+    _train_step(model, backend, torch.randint(0, 64, (2, 32)))
+    sites = {s.name: s for s in backend.report.sites}
+    assert sites["blocks.1.attn.proj"].precision == "high"
+    assert sites["blocks.1.attn.proj"].reason == "user: attention output projections in BF16"
+    assert sites["blocks.1.attn.qkv"].precision == "nvfp4"
+    dynamo_passes = [g.pass_name for g in backend.report.graphs if g.stage == "dynamo"]
+    assert dynamo_passes.index("keep_attn_proj_high") == dynamo_passes.index("assign_precision") + 1
+
+
+def _graph_after(backend, stage, pass_name):
+    return next(g.code for g in backend.report.graphs if g.stage == stage and g.pass_name == pass_name)
+
+
+@pytest.mark.parametrize(
+    "flags, checks",
+    [
+        ({"rht": False}, {"rht_nodes": 0}),
+        ({"stochastic_rounding": False}, {"sr_nodes": 0}),
+        ({"weight_2d": False}, {"tiles_16x16": 0}),
+        ({"quantize_backward": False}, {"backward_scaled_mm": 0}),
+    ],
+)
+def test_each_recipe_flag_off(flags, checks):
+    model = _gpt(n_layer=4)
+    backend = Backend(inner="eager", **flags)
+    _, loss = _train_step(model, backend, torch.randint(0, 64, (2, 32)))
+    assert torch.isfinite(loss)
+    fw = _graph_after(backend, "forward", "lower_scaled_mm")
+    bw = _graph_after(backend, "backward", "lower_scaled_mm")
+    counts = {
+        "rht_nodes": bw.count("fp4.rht.default("),
+        "sr_nodes": bw.count("'sr'"),
+        "tiles_16x16": (fw + bw).count("'16x16'"),
+        "backward_scaled_mm": bw.count("fp4.scaled_mm.default("),
+    }
+    for key, want in checks.items():
+        assert counts[key] == want, (key, counts)
+    assert fw.count("fp4.scaled_mm.default(") == 8  # 2 FP4 blocks x 4 linears
+
+
+def test_default_recipe_node_counts():
+    model = _gpt(n_layer=4)
+    backend = Backend(inner="eager")
+    _train_step(model, backend, torch.randint(0, 64, (2, 32)))
+    fw = _graph_after(backend, "forward", "lower_scaled_mm")
+    bw = _graph_after(backend, "backward", "lower_scaled_mm")
+    assert fw.count("fp4.scaled_mm.default(") == 8 and bw.count("fp4.scaled_mm.default(") == 16
+    assert fw.count("fp4.rht.default(") == 0 and bw.count("fp4.rht.default(") == 16
+    assert fw.count("'sr'") == 0 and bw.count("'sr'") == 16  # dY in dgrad and wgrad of 8 linears
+    assert "fp4.gemm.default(" not in fw and "fp4.gemm.default(" not in bw
+
+
+def test_options_through_torch_compile():
+    model = _gpt(n_layer=4)
+    compiled = torch.compile(model, backend="nvfp4", options={"fmt": "mxfp4", "inner": "eager"})
+    compiled(torch.randint(0, 64, (2, 32)))
+    backend = fp4compile.get_backend({"fmt": "mxfp4", "inner": "eager"})
+    assert backend.recipe.fmt == "mxfp4"
+    assert any(s.precision == "mxfp4" for s in backend.report.sites)
+    with pytest.raises(Exception, match="unknown nvfp4 backend options"):
+        torch._dynamo.reset()
+        torch.compile(_gpt(n_layer=1), backend="nvfp4", options={"fmtt": "x"})(torch.randint(0, 64, (1, 8)))
+
+
+def test_autocast_bf16_keeps_high_precision_gemms_in_bf16():
+    model = _gpt(n_layer=4)
+    backend = Backend(inner="eager")
+    idx = torch.randint(0, 64, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = torch.compile(model, backend=backend)(idx)
+        loss = lm_loss(logits.float(), idx)
+    loss.backward()
+    assert logits.dtype == torch.bfloat16
+    fw = _graph_after(backend, "forward", "lower_scaled_mm")
+    assert "torch.bfloat16, 'emulation')" in fw  # FP4 GEMMs write the autocast dtype
+    assert model.blocks[1].mlp.fc.weight.grad.dtype == torch.float32
+
+
+def test_switch_to_high_precision_recompiles_once():
+    model = _gpt(n_layer=4)
+    backend = Backend(inner="eager", switch_to_high_precision_at=2)
+    compiled = torch.compile(model, backend=backend)
+    idx = torch.randint(0, 64, (2, 32))
+    for _ in range(4):
+        model.zero_grad()
+        lm_loss(compiled(idx), idx).backward()
+        backend.step()
+    n_contexts = len(backend.report.contexts)
+    assert n_contexts == 2  # the FP4 compile and one high-precision recompile
+    assert all(s.precision == "high" for s in backend.report.sites)
+    assert backend.report.contexts[0].sites[4].precision == "nvfp4"
+
+
+def test_training_loss_decreases_and_tracks_fp32():
+    idx_gen = torch.Generator().manual_seed(5)
+    data = torch.randint(0, 16, (16, 32), generator=idx_gen)  # a small vocabulary: learnable quickly
+    finals = {}
+    for precision in ("fp32", "nvfp4"):
+        torch._dynamo.reset()
+        fp4compile.manual_seed(0)
+        model = _gpt(n_layer=4, d=64)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        compiled = torch.compile(model, backend=Backend(inner="eager")) if precision == "nvfp4" else model
+        losses = []
+        for step in range(30):
+            batch = data[(step * 4) % 16:(step * 4) % 16 + 4]
+            loss = lm_loss(compiled(batch), batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        finals[precision] = sum(losses[-5:]) / 5
+        assert finals[precision] < 0.8 * losses[0], (precision, losses[0], finals[precision])
+    assert abs(finals["nvfp4"] - finals["fp32"]) / finals["fp32"] < 0.05, finals
