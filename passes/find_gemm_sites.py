@@ -51,12 +51,18 @@ def parameter_name(node: fx.Node, gm: fx.GraphModule):
     if node.op != "placeholder":
         return None
     grapharg = node.meta.get("grapharg")
-    if grapharg is None:
+    if grapharg is not None:
+        source = grapharg.source.name if not callable(grapharg.source.name) else grapharg.source.name()
+        if isinstance(grapharg.example, torch.nn.Parameter) or "_parameters[" in source:
+            return module_path(source)
         return None
-    source = grapharg.source.name if not callable(grapharg.source.name) else grapharg.source.name()
-    if isinstance(grapharg.example, torch.nn.Parameter) or "_parameters[" in source:
-        return module_path(source)
-    return None
+    # Without dynamo's GraphArg (it is not always attached): the fake value remembers it was a
+    # Parameter, the owning module comes from the module stack, the name from the placeholder.
+    if not isinstance(node.meta.get("example_value"), torch.nn.Parameter):
+        return None
+    name = str(node.target).rsplit("_parameters_", 1)[-1].rstrip("_")
+    stack = _stack(node)
+    return f"{stack[-1][0]}.{name}" if stack else name
 
 
 def _shape(node) -> tuple:

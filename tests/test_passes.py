@@ -1,0 +1,226 @@
+"""Each pass on a tiny graph: node targets and metadata before and after."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._functorch.aot_autograd import aot_module_simplified
+from functorch.compile import make_boxed_func
+
+from fp4compile import Recipe, ops
+from fp4compile.passes.assign_precision import assign_precision
+from fp4compile.passes.find_blocks import find_blocks
+from fp4compile.passes.find_gemm_sites import find_gemm_sites
+from fp4compile.passes.insert_quantize import insert_quantize
+from fp4compile.passes.insert_rht import insert_rht
+from fp4compile.passes.lower_scaled_mm import lower_scaled_mm
+from fp4compile.passes.mark_fp4_linear import mark_fp4_linear
+from fp4compile.passes.plan_gemm_roles import plan_gemm_roles
+from fp4compile.sites import CompileContext
+
+F4 = torch.ops.fp4
+
+
+class Block(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.p = nn.Parameter(torch.randn(d, d) / d**0.5)
+
+    def forward(self, x):
+        return x + torch.relu(self.fc(x)) @ self.p
+
+
+class Net(nn.Module):
+    def __init__(self, n=4, d=32):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(d) for _ in range(n)])
+        self.lm_head = nn.Linear(d, 8, bias=False)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(x)
+
+
+def capture(model, *inputs):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:  # dynamo drops some metadata (grapharg) once compiled: keep a copy
+            node.meta = dict(node.meta)
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(*inputs)
+    torch._dynamo.reset()
+    assert len(graphs) == 1
+    return graphs[0]
+
+
+def targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.fixture
+def dynamo_graph():
+    torch.manual_seed(0)
+    model = Net()
+    gm, example = capture(model, torch.randn(2, 16, 32))
+    return model, gm, example
+
+
+def test_find_gemm_sites_finds_linears_and_parameter_matmuls(dynamo_graph):
+    _, gm, _ = dynamo_graph
+    ctx = CompileContext(Recipe(), 0)
+    find_gemm_sites(gm, ctx)
+    assert [s.name for s in ctx.sites] == [n for b in range(4) for n in (f"blocks.{b}.fc", f"blocks.{b}.p")] + ["lm_head"]
+    assert [s.kind for s in ctx.sites[:2]] == ["linear", "matmul"]
+    fc, p = ctx.sites[:2]
+    assert (fc.in_features, fc.out_features, fc.has_bias, fc.input_shape) == (32, 32, True, (2, 16, 32))
+    assert (p.in_features, p.out_features, p.has_bias) == (32, 32, False)
+    tagged = [n for n in gm.graph.nodes if "fp4_site" in n.meta]
+    assert [n.meta["fp4_site"] for n in tagged] == list(range(9))
+    assert fc.roles["fprop"].shape == (32, 32, 32)
+
+
+def test_find_blocks_and_assign_precision(dynamo_graph):
+    _, gm, _ = dynamo_graph
+    ctx = CompileContext(Recipe(), 0)
+    for p in (find_gemm_sites, find_blocks, assign_precision):
+        p(gm, ctx)
+    assert ctx.n_blocks == 4 and ctx.block_names == [f"blocks.{i}" for i in range(4)]
+    plan = {s.name: (s.block, s.precision) for s in ctx.sites}
+    assert plan["blocks.0.fc"] == (0, "high") and plan["blocks.3.p"] == (3, "high")
+    assert plan["blocks.1.fc"] == (1, "nvfp4") and plan["blocks.2.p"] == (2, "nvfp4")
+    assert plan["lm_head"] == (None, "high")
+
+
+def test_mark_fp4_linear_rewrites_only_low_precision_sites(dynamo_graph):
+    _, gm, _ = dynamo_graph
+    ctx = CompileContext(Recipe(), 0)
+    for p in (find_gemm_sites, find_blocks, assign_precision):
+        p(gm, ctx)
+    linear_before = targets(gm).count(torch._C._nn.linear)
+    mark_fp4_linear(gm, ctx)
+    after = targets(gm)
+    assert after.count(ops.linear) == 4  # fc and p of blocks 1 and 2
+    assert after.count(torch._C._nn.linear) == linear_before - 2
+    assert after.count(torch.t) == 2  # x @ p -> fp4.linear(x, p.t())
+    marked = [n for n in gm.graph.nodes if n.target is ops.linear]
+    assert sorted(n.args[3] for n in marked) == [2, 3, 4, 5]
+
+
+def aot_graphs(gm, example, ctx, passes):
+    """Trace forward and backward with aot_autograd and run ``passes`` on both; return the graphs."""
+    out = {}
+
+    def compiler(stage):
+        def compile_graph(graph, inputs):
+            for p in passes:
+                graph = p(graph, ctx)
+            out[stage] = graph
+            return make_boxed_func(graph.forward)
+
+        return compile_graph
+
+    compiled = aot_module_simplified(gm, example, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+    x = example[-1] if isinstance(example, list) else example
+    inputs = [t.detach().requires_grad_(t.requires_grad) for t in example]
+    y = compiled(*inputs)
+    (y[0] if isinstance(y, (tuple, list)) else y).sum().backward()
+    return out
+
+
+@pytest.fixture
+def marked(dynamo_graph):
+    _, gm, example = dynamo_graph
+    ctx = CompileContext(Recipe(), 0)
+    for p in (find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear):
+        p(gm, ctx)
+    return gm, example, ctx
+
+
+def role_nodes(graph, target):
+    return [n for n in graph.graph.nodes if n.target is target]
+
+
+def test_marked_graph_traces_to_role_tagged_gemms(marked):
+    gm, example, ctx = marked
+    graphs = aot_graphs(gm, example, ctx, [plan_gemm_roles])
+    fw = [n.args[2] for n in role_nodes(graphs["forward"], F4.gemm.default)]
+    bw = [n.args[2] for n in role_nodes(graphs["backward"], F4.gemm.default)]
+    assert fw == ["fprop"] * 4
+    assert sorted(bw) == ["dgrad"] * 4 + ["wgrad"] * 4
+    info = role_nodes(graphs["backward"], F4.gemm.default)[0].meta["fp4_role"]
+    assert info.precision == "nvfp4"
+    wgrad = ctx.sites[2].roles["wgrad"]
+    assert wgrad.shape == (32, 32, 32) and wgrad.rht and wgrad.rounding == ("sr", "rne")
+    assert ctx.sites[2].roles["fprop"].blocks == ("1x16", "16x16")
+
+
+def test_insert_rht_only_on_wgrad_operands(marked):
+    gm, example, ctx = marked
+    graphs = aot_graphs(gm, example, ctx, [plan_gemm_roles, insert_rht])
+    assert role_nodes(graphs["forward"], F4.rht.default) == []
+    rhts = role_nodes(graphs["backward"], F4.rht.default)
+    assert len(rhts) == 8
+    for r in rhts:
+        (user,) = r.users
+        assert user.target is F4.gemm.default and user.args[2] == "wgrad"
+
+
+def test_insert_quantize_blocks_and_rounding(marked):
+    gm, example, ctx = marked
+    graphs = aot_graphs(gm, example, ctx, [plan_gemm_roles, insert_rht, insert_quantize])
+    seen = {}
+    for stage, graph in graphs.items():
+        for q in role_nodes(graph, F4.quantize.default):
+            meta = q.meta["fp4_quantize"]
+            seen.setdefault((meta["role"], meta["operand"]), set()).add((q.args[2], q.args[3]))
+            deq = [u for u in q.users if u.target is operator.getitem]
+            assert len(deq) == 3
+    assert seen == {
+        ("fprop", "X"): {("1x16", "rne")},
+        ("fprop", "W"): {("16x16", "rne")},
+        ("dgrad", "dY"): {("1x16", "sr")},
+        ("dgrad", "W^T"): {("16x16", "rne")},
+        ("wgrad", "dY^T"): {("1x16", "sr")},
+        ("wgrad", "X^T"): {("1x16", "rne")},
+    }
+    for graph in graphs.values():
+        for g in role_nodes(graph, F4.gemm.default):
+            assert all(a.target is F4.dequantize.default for a in g.args[:2])
+
+
+def test_lower_scaled_mm_replaces_every_quantized_gemm(marked):
+    gm, example, ctx = marked
+    graphs = aot_graphs(gm, example, ctx, [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm])
+    assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 4
+    assert len(role_nodes(graphs["backward"], F4.scaled_mm.default)) == 8
+    for graph in graphs.values():
+        assert role_nodes(graph, F4.gemm.default) == []
+        assert role_nodes(graph, F4.dequantize.default) == []
+        for mm in role_nodes(graph, F4.scaled_mm.default):
+            assert mm.args[6] == "nvfp4" and mm.args[8] == "emulation"
+            assert all(a.target is operator.getitem and a.args[0].target is F4.quantize.default for a in mm.args[:6])
+    assert ctx.sites[2].roles["fprop"].kernel == "emulation"
+    assert "not a CUDA GPU" in ctx.sites[2].roles["fprop"].kernel_reason
+
+
+def test_quantize_dequantize_stage_is_numerically_close_to_lowered(marked):
+    """Every stage is a runnable program: the QDQ form and the lowered form agree to rounding."""
+    gm, example, ctx = marked
+    results = {}
+    for name, passes in {
+        "qdq": [plan_gemm_roles, insert_rht, insert_quantize],
+        "lowered": [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm],
+    }.items():
+        graphs = aot_graphs(gm, example, ctx, passes)
+        results[name] = graphs["forward"](*[t.detach() for t in example])[0]
+    torch.testing.assert_close(results["qdq"], results["lowered"], rtol=1e-5, atol=1e-5)
