@@ -1,0 +1,179 @@
+"""End-to-end training-step benchmark: BF16 torch.compile vs backend="nvfp4" vs naive fake-quant.
+
+Each variant runs in its own process with a fresh Inductor cache, so the first-call time is a real
+compile. Measures: first step (compile + run), median step time, peak GPU memory in steady state.
+Before timing, checks that the GPU quantize matches the CPU reference bit for bit.
+
+    python benchmarks/bench_e2e.py --out results.json            # d=1024 and d=2048, all variants
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+
+VARIANTS = ("bf16", "nvfp4", "naive")
+
+
+def naive_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """Forward-only NVFP4 1x16 fake quantization in plain PyTorch (the anchor of the goals)."""
+    shape = x.shape
+    xf = x.float().reshape(-1, 16)
+    amax = xf.abs().amax().clamp(min=1e-30)
+    s_enc = 2688.0 / amax
+    bamax = xf.abs().amax(-1, keepdim=True)
+    sf = (bamax * s_enc / 6.0).clamp(max=448).to(torch.float8_e4m3fn).float()
+    enc = 1.0 / (sf / s_enc).clamp(min=1e-30)
+    v = (xf * enc).clamp(-6, 6)
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], device=x.device)
+    idx = (v.abs().unsqueeze(-1) - grid).abs().argmin(-1)
+    q = grid[idx] * v.sign()
+    return (q * sf / s_enc).reshape(shape).to(x.dtype)
+
+
+class NaiveFQLinear(nn.Linear):
+    def forward(self, x):
+        return F.linear(naive_fake_quant(x), naive_fake_quant(self.weight), self.bias)
+
+
+def build(d_model: int, n_layer: int, variant: str):
+    from gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(n_layer=n_layer, n_head=d_model // 64, d_model=d_model, seq_len=1024, vocab=50304)
+    model = GPT(cfg).cuda()
+    if variant == "naive":
+        for name, mod in list(model.named_modules()):
+            for child_name, child in list(mod.named_children()):
+                if type(child) is nn.Linear and child_name != "lm_head":
+                    new = NaiveFQLinear(child.in_features, child.out_features, bias=child.bias is not None).cuda()
+                    new.load_state_dict(child.state_dict())
+                    setattr(mod, child_name, new)
+    return model, cfg
+
+
+def check_bit_exact() -> str:
+    import fp4compile
+    from fp4compile import formats
+
+    x = torch.randn(512, 1024, device="cuda") * 3
+    got = torch.ops.fp4.quantize(x, "nvfp4", "1x16", "rne", 0, "")
+    want = formats.quantize(x.cpu(), "nvfp4", "1x16")
+    ok = torch.equal(got[0].cpu(), want.data.view(torch.uint8)) and torch.equal(got[1].cpu(), want.scales.view(torch.uint8))
+    if not ok:
+        raise SystemExit("GPU quantize differs from the CPU reference")
+    return "bit-exact"
+
+
+def run_variant(variant: str, d_model: int, n_layer: int, steps: int, batch: int) -> dict:
+    import fp4compile
+
+    torch.manual_seed(0)
+    model, cfg = build(d_model, n_layer, variant)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    backend = fp4compile.Backend() if variant == "nvfp4" else "inductor"
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = compiled(x)
+            loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), x.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loss = step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    out = {
+        "variant": variant, "d_model": d_model, "n_layer": n_layer, "batch": batch, "seq": cfg.seq_len,
+        "first_step_s": first, "step_ms_median": times[len(times) // 2],
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
+    }
+    if variant == "nvfp4":
+        out["plan"] = backend.report.precision_table().splitlines()[-1]
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", choices=VARIANTS)
+    p.add_argument("--d-model", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--n-layer", type=int, default=12)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--out", default="bench_e2e.json")
+    args = p.parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(args.variant, args.d_model[0], args.n_layer, args.steps, args.batch)))
+        return
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat()}
+    try:
+        import triton
+
+        results["triton"] = triton.__version__
+    except ImportError:
+        pass
+    results["check"] = check_bit_exact()
+    rows = []
+    for d in args.d_model:
+        for variant in VARIANTS:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp())
+            cmd = [sys.executable, __file__, "--variant", variant, "--d-model", str(d), "--n-layer", str(args.n_layer),
+                   "--steps", str(args.steps), "--batch", str(args.batch)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                rows.append({"variant": variant, "d_model": d, "error": proc.stderr[-500:]})
+                continue
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(f"done {variant} d={d}", file=sys.stderr, flush=True)
+    results["rows"] = rows
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"{results['gpu']}, torch {results['torch']}, quantize check: {results['check']}")
+    print(f"{'d':>5} {'variant':8} {'step ms':>8} {'x bf16':>7} {'mem GiB':>8} {'x bf16':>7} {'1st s':>6} {'x bf16':>7}")
+    for d in args.d_model:
+        base = next((r for r in rows if r["d_model"] == d and r["variant"] == "bf16" and "error" not in r), None)
+        for r in rows:
+            if r["d_model"] != d:
+                continue
+            if "error" in r:
+                print(f"{d:>5} {r['variant']:8} error")
+                continue
+            ratio = lambda k: r[k] / base[k] if base else float("nan")
+            print(f"{d:>5} {r['variant']:8} {r['step_ms_median']:8.1f} {ratio('step_ms_median'):7.2f} "
+                  f"{r['peak_mem_gib']:8.2f} {ratio('peak_mem_gib'):7.2f} {r['first_step_s']:6.1f} {ratio('first_step_s'):7.2f}")
+
+
+if __name__ == "__main__":
+    main()
