@@ -52,10 +52,10 @@ def _cutlass_choice(m, n, k, fmt, out_dtype, device):
     if config is None:
         return None, why
     try:
-        cutlass_gemm.load(config)
-    except Exception as exc:  # a failed build never stops training: fall back with the compiler's error
+        cutlass_gemm.load(config, device=device)
+    except cutlass_gemm.KernelBuildError as exc:  # never stop training: fall back, keep the compiler's error
         return None, f"CUTLASS build failed, using emulation: {exc}"
-    return KernelChoice(f"cutlass:{config.key}", why), ""
+    return KernelChoice(f"cutlass:{config.name}", why), ""
 
 
 def choose_kernel(m, n, k, fmt: str, out_dtype: torch.dtype, device) -> KernelChoice:
@@ -73,5 +73,6 @@ def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: st
     if kernel.startswith("cutlass:"):
         from . import cutlass_gemm
 
-        return cutlass_gemm.run(kernel.split(":", 1)[1], a, a_scales, a_amax, b, b_scales, b_amax, out_dtype)
+        config = cutlass_gemm.GemmConfig.from_name(kernel.split(":", 1)[1])
+        return cutlass_gemm.scaled_mm(config, a, a_scales, a_amax, b, b_scales, b_amax)
     return ops.scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)

@@ -1,0 +1,627 @@
+"""CUTLASS block-scaled NVFP4 GEMMs for Blackwell: choose a configuration, render, build, cache, load.
+
+The kernel computes ``out[M, N] = alpha * A[M, K] . B[N, K]^T + bias[N]`` with A and B NVFP4 (E2M1
+codes two per byte, K-major; E4M3 scales per 16 elements in the 128x4 tiled layout of
+``fp4compile.formats.swizzle_scales``) and ``alpha = (amax_A / 2688) * (amax_B / 2688)`` computed on
+the device. Output is BF16 or FP32, accumulation FP32.
+
+Flow (what the lowering pass calls):
+
+1. ``device_supports_cutlass(device)`` -> (ok, reason): only sm_100 / sm_103 class GPUs with CUDA torch.
+2. ``select_config(m, n, k, out_dtype)`` -> (GemmConfig | None, reason): alignment rules and a
+   wave-quantization cost model pick the MMA tile and 1-SM / 2-SM schedule.
+3. ``load(config)`` -> callable ``(a_data, a_scales, a_amax, b_data, b_scales, b_amax, bias=None) -> out``.
+   It calls ``build`` (cached), which renders ``cutlass_templates/nvfp4_gemm_sm100.cu.j2`` (the kernel,
+   no torch headers) and ``nvfp4_gemm_binding.cpp.j2`` (the torch op), compiles the kernel with nvcc
+   to PTX, cubin and a host object everywhere nvcc exists, and links the torch extension module only
+   where torch has CUDA. Any failure raises ``KernelBuildError``; callers fall back to emulation.
+
+A configuration is shape-independent (M, N, K are runtime arguments), so one build serves every GEMM
+shape that selects it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import jinja2
+import torch
+
+from .build_cache import (
+    KernelBuildError,
+    cache_dir,
+    cached_build,
+    find_nvcc,
+    list_entries,
+    nvcc_release,
+    nvcc_version,
+    run_compiler,
+)
+
+__all__ = [
+    "GemmConfig",
+    "BuildResult",
+    "KernelBuildError",
+    "SUPPORTED_ARCHS",
+    "OP_NAMESPACE",
+    "supported_configs",
+    "select_config",
+    "render",
+    "render_binding",
+    "build",
+    "load",
+    "scaled_mm",
+    "cache_dir",
+    "list_entries",
+    "cutlass_include_dirs",
+    "cutlass_version",
+    "device_supports_cutlass",
+    "arch_for_device",
+    "toolchain_available",
+    "expected_scales_numel",
+    "scale_layout_probe",
+]
+
+# Architectures the kernel is built for: arch-specific SM100 / SM103 targets, or the SM100 family
+# target whose cubin runs on both.
+SUPPORTED_ARCHS = ("sm_100a", "sm_103a", "sm_100f")
+OP_NAMESPACE = "fp4compile_cutlass"
+
+# Alignment rules. TMA moves 16-byte aligned rows: K % 32 for the FP4 operands (32 codes = 16 bytes).
+# N % 32 is stricter than the 16-byte output rows need (N % 8 for BF16, N % 4 for FP32): a margin that
+# keeps the output and the bias vector aligned for every tile and epilogue configuration.
+ALIGN_K = 32
+ALIGN_N = 32
+# Default SM count for the cost model: B200 has 148 SMs.
+DEFAULT_NUM_SMS = 148
+
+KERNEL_TEMPLATE = "nvfp4_gemm_sm100.cu.j2"
+BINDING_TEMPLATE = "nvfp4_gemm_binding.cpp.j2"
+PROBE_SOURCE = "scale_layout_probe.cu"
+
+_OUT_DTYPES = {
+    "bf16": ("cutlass::bfloat16_t", torch.bfloat16, "at::kBFloat16"),
+    "fp32": ("float", torch.float32, "at::kFloat"),
+}
+_TORCH_TO_OUT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+_TILE_N = (64, 128, 192, 256)
+# Cluster shapes (M, N) each schedule is offered with; the first is the default.
+_CLUSTERS = {"1sm": ((1, 1), (2, 1)), "2sm": ((2, 1), (4, 1))}
+_TILE_M = {"1sm": 128, "2sm": 256}
+# Tiles the selection heuristic chooses among (every supported tile can still be built explicitly).
+_CANDIDATE_TILES = (("1sm", 64), ("1sm", 128), ("1sm", 256), ("2sm", 128), ("2sm", 256))
+# Weight of operand traffic against MMA work in the cost model (see select_config).
+_TRAFFIC_WEIGHT = 32.0
+
+NVCC_FLAGS = (
+    "-std=c++17",
+    "-O3",
+    "-DNDEBUG",
+    "--expt-relaxed-constexpr",
+    "-Xcompiler=-fPIC",
+)
+BINDING_FLAGS = ("-std=c++20", "-O2", "-Xcompiler=-fPIC")
+
+
+def _template_dir() -> Path:
+    """The package fp4compile.cutlass_templates (cutlass_templates/ in a checkout)."""
+    from importlib.resources import files
+
+    return Path(str(files("fp4compile.cutlass_templates")))
+
+
+@functools.lru_cache(maxsize=None)
+def _template_text(name: str) -> str:
+    return (_template_dir() / name).read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def _jinja(name: str) -> jinja2.Template:
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    return env.from_string(_template_text(name))
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One compiled kernel: MMA tile, 1-SM or 2-SM schedule, cluster shape, output dtype.
+
+    ``schedule`` "1sm": one SM per MMA tile of 128 x tile_n x 256 (``KernelTmaWarpSpecialized1SmNvf4Sm100``).
+    ``schedule`` "2sm": a pair of SMs shares a 256 x tile_n x 256 MMA tile, each loading half of B
+    (``KernelTmaWarpSpecialized2SmNvf4Sm100``); the cluster's M extent must be even.
+    """
+
+    schedule: str = "1sm"
+    tile_n: int = 128
+    out_dtype: str = "bf16"
+    cluster_m: Optional[int] = None  # None: the schedule's default cluster
+    cluster_n: int = 1
+    tile_k: int = 256
+
+    def __post_init__(self):
+        if self.schedule not in _TILE_M:
+            raise ValueError(f"schedule must be one of {sorted(_TILE_M)}, got {self.schedule!r}")
+        if self.cluster_m is None:
+            object.__setattr__(self, "cluster_m", _CLUSTERS[self.schedule][0][0])
+        if self.out_dtype not in _OUT_DTYPES:
+            raise ValueError(f"out_dtype must be one of {sorted(_OUT_DTYPES)}, got {self.out_dtype!r}")
+        if self.tile_n not in _TILE_N:
+            raise ValueError(f"tile_n must be one of {_TILE_N} for NVFP4 MMAs, got {self.tile_n}")
+        if self.tile_k != 256:
+            raise ValueError(f"NVFP4 MMA tiles are 256 deep along K (4 MMAs of K=64), got tile_k={self.tile_k}")
+        if (self.cluster_m, self.cluster_n) not in _CLUSTERS[self.schedule]:
+            raise ValueError(
+                f"cluster {self.cluster_m}x{self.cluster_n} is not offered for the {self.schedule} schedule; "
+                f"choose one of {_CLUSTERS[self.schedule]}"
+            )
+
+    @classmethod
+    def from_name(cls, name: str) -> "GemmConfig":
+        """The configuration whose ``name`` is ``name`` (kernel names travel through graphs as strings)."""
+        match = re.fullmatch(r"nvfp4_gemm_(1sm|2sm)_(\d+)x(\d+)x(\d+)_c(\d+)x(\d+)_(bf16|fp32)", name)
+        if not match:
+            raise ValueError(f"{name!r} is not a CUTLASS NVFP4 GEMM kernel name")
+        schedule, tile_m, tile_n, tile_k, cluster_m, cluster_n, out = match.groups()
+        config = cls(schedule, int(tile_n), out, int(cluster_m), int(cluster_n), int(tile_k))
+        if config.tile_m != int(tile_m):
+            raise ValueError(f"{name!r}: the {schedule} schedule has {config.tile_m}-row tiles, not {tile_m}")
+        return config
+
+    @property
+    def tile_m(self) -> int:
+        return _TILE_M[self.schedule]
+
+    @property
+    def sms_per_tile(self) -> int:
+        return 2 if self.schedule == "2sm" else 1
+
+    @property
+    def name(self) -> str:
+        """A C identifier naming the kernel, unique per configuration."""
+        return (
+            f"nvfp4_gemm_{self.schedule}_{self.tile_m}x{self.tile_n}x{self.tile_k}"
+            f"_c{self.cluster_m}x{self.cluster_n}_{self.out_dtype}"
+        )
+
+    @property
+    def torch_out_dtype(self) -> torch.dtype:
+        return _OUT_DTYPES[self.out_dtype][1]
+
+    def template_params(self) -> dict:
+        sm = self.sms_per_tile
+        return {
+            "name": self.name,
+            "schedule": self.schedule,
+            "tile_m": self.tile_m,
+            "tile_n": self.tile_n,
+            "tile_k": self.tile_k,
+            "cluster_m": self.cluster_m,
+            "cluster_n": self.cluster_n,
+            "out_ctype": _OUT_DTYPES[self.out_dtype][0],
+            "mainloop_schedule": f"KernelTmaWarpSpecialized{sm}SmNvf4Sm100",
+            "epilogue_schedule": f"TmaWarpSpecialized{sm}Sm",
+            "inv_global_hex": _inv_global_hex(),
+        }
+
+
+def _inv_global_hex() -> str:
+    """fp32(1/2688) as a C hex-float literal: the decode constant of fp4compile.formats, bit for bit."""
+    from fp4compile.formats import NVFP4_GLOBAL
+
+    return float(torch.tensor(1.0 / NVFP4_GLOBAL, dtype=torch.float32)).hex()
+
+
+def supported_configs() -> list[GemmConfig]:
+    """Every configuration the templates support (each renders and compiles for sm_100a)."""
+    return [
+        GemmConfig(schedule, tile_n, out, cm, cn)
+        for schedule, clusters in _CLUSTERS.items()
+        for (cm, cn) in clusters
+        for tile_n in _TILE_N
+        for out in _OUT_DTYPES
+    ]
+
+
+def _out_name(out_dtype: Union[str, torch.dtype]) -> Optional[str]:
+    if isinstance(out_dtype, torch.dtype):
+        return _TORCH_TO_OUT.get(out_dtype)
+    return out_dtype if out_dtype in _OUT_DTYPES else None
+
+
+def select_config(
+    m: int, n: int, k: int, out_dtype: Union[str, torch.dtype] = "bf16", *, num_sms: int = DEFAULT_NUM_SMS
+) -> tuple[Optional[GemmConfig], str]:
+    """The configuration for an (M, N, K) GEMM with the given output dtype, and why; (None, why not).
+
+    Rules: M, N, K > 0; K % 32 == 0 and N % 32 == 0 (16-byte aligned TMA rows); output BF16 or FP32.
+    Heuristic (wave quantization): for each candidate tile (1-SM 128x64, 128x128, 128x256; 2-SM 256x128,
+    256x256) count the output tiles, the waves needed to run them with ``num_sms`` SMs (a 2-SM tile
+    occupies two), and estimate ``waves * per-SM tile area * (1 + 32 * per-SM operand rows / per-SM
+    tile area)``: the MMA work of the slowest SM plus a term for loading A and B, which is what larger
+    tiles and the 2-SM split of B save. The lowest estimate wins; ties go to the larger tile.
+    """
+    out = _out_name(out_dtype)
+    if out is None:
+        return None, f"output dtype {out_dtype} is not supported by the CUTLASS NVFP4 GEMM (bf16 or fp32)"
+    if m <= 0 or n <= 0 or k <= 0:
+        return None, f"empty GEMM (M={m}, N={n}, K={k})"
+    rules = (("K", k, ALIGN_K), ("N", n, ALIGN_N))
+    misaligned = [f"{dim}={v} is not a multiple of {a}" for dim, v, a in rules if v % a]
+    if misaligned:
+        return None, "alignment: " + " and ".join(misaligned) + " (16-byte TMA rows); use emulation or pad"
+    best = None
+    for schedule, tile_n in _CANDIDATE_TILES:
+        config = GemmConfig(schedule, tile_n, out)
+        tiles = math.ceil(m / config.tile_m) * math.ceil(n / tile_n)
+        slots = max(num_sms // config.sms_per_tile, 1)
+        waves = math.ceil(tiles / slots)
+        rows_per_sm = config.tile_m // config.sms_per_tile
+        area = rows_per_sm * tile_n
+        traffic = rows_per_sm + tile_n / config.sms_per_tile
+        cost = waves * area * (1.0 + _TRAFFIC_WEIGHT * traffic / area)
+        rank = (cost, -config.tile_m * tile_n)
+        if best is None or rank < best[0]:
+            best = (rank, config, tiles, waves)
+    (cost, _), config, tiles, waves = best
+    reason = (
+        f"{config.name}: {tiles} tile(s) of {config.tile_m}x{config.tile_n} on {num_sms} SMs "
+        f"({config.sms_per_tile} SM per tile) = {waves} wave(s), estimated cost {cost:.0f}, "
+        f"lowest of {len(_CANDIDATE_TILES)} candidates"
+    )
+    return config, reason
+
+
+def expected_scales_numel(rows: int, k: int) -> int:
+    """Bytes of swizzled scales the kernel reads for a [rows, K] operand: round_up(rows,128) * round_up(K/16,4)."""
+    return -(-rows // 128) * 128 * (-(-(k // 16) // 4) * 4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendering
+# ----------------------------------------------------------------------------------------------
+
+
+def render(config: GemmConfig) -> str:
+    """CUDA source of the kernel translation unit (CUTLASS only, no torch headers)."""
+    return _jinja(KERNEL_TEMPLATE).render(**config.template_params())
+
+
+def render_binding(config: GemmConfig) -> str:
+    """C++ source of the torch binding that registers ``torch.ops.fp4compile_cutlass.<config.name>``."""
+    return _jinja(BINDING_TEMPLATE).render(
+        name=config.name,
+        namespace=OP_NAMESPACE,
+        align_k=ALIGN_K,
+        align_n=ALIGN_N,
+        out_torch_dtype=str(config.torch_out_dtype),
+        out_scalar_type=_OUT_DTYPES[config.out_dtype][2],
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Toolchain and devices
+# ----------------------------------------------------------------------------------------------
+
+
+def cutlass_include_dirs() -> list[Path]:
+    """CUTLASS include directories from the nvidia-cutlass wheel: include/ and tools/util/include/."""
+    try:
+        import cutlass_library
+    except ImportError as exc:
+        raise KernelBuildError("the nvidia-cutlass package is not installed (pip install nvidia-cutlass)") from exc
+    source = Path(cutlass_library.__file__).resolve().parent / "source"
+    dirs = [source / "include", source / "tools" / "util" / "include"]
+    if not (dirs[0] / "cutlass" / "cutlass.h").exists():
+        raise KernelBuildError(f"the nvidia-cutlass package has no C++ headers under {dirs[0]}")
+    return dirs
+
+
+@functools.lru_cache(maxsize=None)
+def cutlass_version() -> str:
+    """CUTLASS version of the headers (version.h) and of the wheel that ships them."""
+    version_h = (cutlass_include_dirs()[0] / "cutlass" / "version.h").read_text()
+    parts = [re.search(rf"#define CUTLASS_{p}\s+(\d+)", version_h) for p in ("MAJOR", "MINOR", "PATCH")]
+    headers = ".".join(p.group(1) if p else "?" for p in parts)
+    try:
+        wheel = importlib.metadata.version("nvidia-cutlass")
+    except importlib.metadata.PackageNotFoundError:
+        wheel = "unknown"
+    return f"headers {headers}, nvidia-cutlass {wheel}"
+
+
+def toolchain_available() -> tuple[bool, str]:
+    """Whether nvcc and the CUTLASS headers are present (needed to build, not to load a cached kernel)."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return False, "nvcc not found (set CUDA_HOME or FP4COMPILE_NVCC, or put nvcc on PATH)"
+    try:
+        cutlass_include_dirs()
+    except KernelBuildError as exc:
+        return False, str(exc)
+    return True, f"{nvcc} ({nvcc_version(nvcc)}), CUTLASS {cutlass_version()}"
+
+
+def device_supports_cutlass(device=None) -> tuple[bool, str]:
+    """Whether ``device`` can run the CUTLASS NVFP4 GEMMs: CUDA torch and an sm_100 / sm_103 class GPU."""
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} is built without CUDA"
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return False, f"device {dev} is not a CUDA device"
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is available"
+    major, minor = torch.cuda.get_device_capability(dev)
+    name = torch.cuda.get_device_name(dev)
+    if (major, minor) in ((10, 0), (10, 3)):
+        return True, f"{name} is compute capability {major}.{minor} (tcgen05 block-scaled MMA)"
+    return False, (
+        f"{name} is compute capability {major}.{minor}; the NVFP4 tensor-core GEMM needs 10.0 or 10.3 "
+        "(B200/GB200/B300 class)"
+    )
+
+
+def arch_for_device(device=None) -> str:
+    """The nvcc arch to build for ``device``: sm_100a for compute capability 10.0, sm_103a for 10.3."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}a"
+
+
+def _gencode(arch: str) -> str:
+    if arch not in SUPPORTED_ARCHS:
+        raise KernelBuildError(f"arch {arch!r} is not supported; choose one of {SUPPORTED_ARCHS}")
+    number = arch[3:]
+    return f"-gencode=arch=compute_{number},code=sm_{number}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Building
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildResult:
+    """Files of one built kernel (all inside its cache entry).
+
+    ``paths`` maps "cu" (kernel source), "binding" (torch binding source), "ptx", "cubin",
+    "object" (host object of the kernel TU) and, where torch has CUDA, "module" (the loadable torch
+    extension). ``from_cache`` is True when no compiler ran.
+    """
+
+    paths: dict
+    from_cache: bool
+    key: str
+    entry_dir: Path
+
+    @property
+    def cu(self) -> Path:
+        return self.paths["cu"]
+
+    @property
+    def ptx(self) -> Path:
+        return self.paths["ptx"]
+
+    @property
+    def module(self) -> Optional[Path]:
+        return self.paths.get("module")
+
+
+_ENTRY_FILES = {
+    "cu": "kernel.cu",
+    "binding": "binding.cpp",
+    "ptx": "kernel.ptx",
+    "cubin": "kernel.cubin",
+    "object": "kernel.o",
+    "module": "module.so",
+    "log": "build.log",
+}
+
+
+def _torch_build_identity() -> dict:
+    """What the torch extension module depends on; None fields when torch has no CUDA (no module built)."""
+    return {
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+    }
+
+
+def _build_material(config: GemmConfig, arch: str, nvcc: str) -> dict:
+    """Everything a build's output depends on: its hash is the cache key."""
+    return {
+        "kind": "nvfp4_gemm",
+        "kernel_template_sha256": hashlib.sha256(_template_text(KERNEL_TEMPLATE).encode()).hexdigest(),
+        "binding_template_sha256": hashlib.sha256(_template_text(BINDING_TEMPLATE).encode()).hexdigest(),
+        "config": dataclasses.asdict(config),
+        "params": config.template_params(),
+        "arch": arch,
+        "nvcc": nvcc_version(nvcc),
+        "nvcc_flags": list(NVCC_FLAGS),
+        "binding_flags": list(BINDING_FLAGS),
+        "cutlass": cutlass_version(),
+        **_torch_build_identity(),
+    }
+
+
+def build(config: GemmConfig, arch: str = "sm_100a", progress: bool = True) -> BuildResult:
+    """Render, compile and cache ``config`` for ``arch``; return the files, from the cache when present.
+
+    Always produces the kernel source, PTX, cubin and host object (needs nvcc and the CUTLASS headers,
+    not a GPU). The torch extension module is linked too when torch has CUDA, which needs nvcc of the
+    same CUDA major version as torch. Raises ``KernelBuildError`` when anything is missing or fails.
+    """
+    gencode = _gencode(arch)
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise KernelBuildError("nvcc not found (set CUDA_HOME or FP4COMPILE_NVCC, or put nvcc on PATH)")
+    includes = cutlass_include_dirs()
+    material = _build_material(config, arch, nvcc)
+    with_module = torch.version.cuda is not None
+
+    def produce(tmp: Path) -> list[str]:
+        files = _ENTRY_FILES
+        (tmp / files["cu"]).write_text(render(config))
+        (tmp / files["binding"]).write_text(render_binding(config))
+        keep_dir = tmp / "keep"
+        keep_dir.mkdir()
+        log = run_compiler(
+            [nvcc, gencode, *NVCC_FLAGS, *(f"-I{d}" for d in includes),
+             "-c", files["cu"], "-o", files["object"], "-keep", f"-keep-dir={keep_dir.name}"],
+            label=f"{config.name} for {arch}",
+            progress=progress,
+            cwd=tmp,
+        )
+        for suffix, target in ((".ptx", files["ptx"]), (".cubin", files["cubin"])):
+            found = sorted(keep_dir.glob(f"*{suffix}"))
+            if not found:
+                raise KernelBuildError(f"nvcc produced no {suffix} file for {config.name}", stderr=log)
+            shutil.move(str(found[0]), tmp / target)
+        shutil.rmtree(keep_dir)
+        kept = [files[k] for k in ("cu", "binding", "ptx", "cubin", "object")]
+        if with_module:
+            log += _link_module(nvcc, tmp, files, config, progress)
+            kept.append(files["module"])
+        (tmp / files["log"]).write_text(log)
+        return kept + [files["log"]]
+
+    entry = cached_build(config.name, material, produce, progress=progress)
+    paths = {k: entry.file(v) for k, v in _ENTRY_FILES.items() if (entry.path / v).exists()}
+    return BuildResult(paths=paths, from_cache=entry.from_cache, key=entry.key, entry_dir=entry.path)
+
+
+def _link_module(nvcc: str, tmp: Path, files: dict, config: GemmConfig, progress: bool) -> str:
+    """Compile the binding against torch and link it with the kernel object into module.so."""
+    from torch.utils import cpp_extension
+
+    nvcc_major = nvcc_release(nvcc_version(nvcc))[0]
+    torch_major = int(torch.version.cuda.split(".")[0])
+    if nvcc_major != torch_major:
+        raise KernelBuildError(
+            f"nvcc is CUDA {nvcc_major} but torch is built with CUDA {torch.version.cuda}; the extension "
+            "module needs matching major versions (point CUDA_HOME or FP4COMPILE_NVCC at a matching nvcc)"
+        )
+    abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    cmd = [
+        nvcc, "-shared", *BINDING_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{d}" for d in cpp_extension.include_paths()),
+        files["binding"], files["object"], "-o", files["module"],
+        *(f"-L{d}" for d in cpp_extension.library_paths()),
+        "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_cuda", "-cudart=shared",
+    ]
+    return run_compiler(cmd, label=f"torch binding of {config.name}", progress=progress, cwd=tmp)
+
+
+_LOADED: dict[tuple[GemmConfig, str], Callable] = {}
+
+
+def load(config: GemmConfig, arch: Optional[str] = None, progress: bool = True, device=None) -> Callable:
+    """The kernel as a callable ``(a_data, a_scales, a_amax, b_data, b_scales, b_amax, bias=None) -> out``.
+
+    Builds (or reuses the cache) for ``arch`` (default: that of ``device``, else of the current
+    device), loads the torch extension once per process and returns
+    ``torch.ops.fp4compile_cutlass.<config.name>``. Operands: data [rows, K/2] uint8 or
+    float4_e2m1fn_x2 (K-major, contiguous), scales swizzled (``formats.swizzle_scales``), amax fp32
+    scalars, bias [N] or None; all on one CUDA device. Raises ``KernelBuildError`` when the module
+    cannot be built or loaded here.
+    """
+    if torch.version.cuda is None:
+        raise KernelBuildError(f"torch {torch.__version__} has no CUDA: the CUTLASS kernel module cannot be loaded")
+    arch = arch or arch_for_device(device)
+    if (config, arch) not in _LOADED:
+        result = build(config, arch=arch, progress=progress)
+        if result.module is None:
+            raise KernelBuildError(f"the cache entry {result.entry_dir} has no torch extension module")
+        try:
+            torch.ops.load_library(str(result.module))
+            _LOADED[config, arch] = getattr(getattr(torch.ops, OP_NAMESPACE), config.name)
+        except (OSError, RuntimeError, AttributeError) as exc:
+            raise KernelBuildError(f"cannot load {result.module}: {exc}") from exc
+    return _LOADED[config, arch]
+
+
+def scaled_mm(
+    config: GemmConfig,
+    a_data: torch.Tensor,
+    a_scales: torch.Tensor,
+    a_amax: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scales: torch.Tensor,
+    b_amax: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``alpha * A . B^T (+ bias)`` with the CUTLASS kernel of ``config``, from ``formats.quantize`` output.
+
+    Scales may be given as ``quantize`` returns them ([rows, K/16], swizzled here with
+    ``formats.swizzle_scales``) or already swizzled (1-D). Raises ``KernelBuildError`` when the kernel
+    cannot be built or loaded on this machine.
+    """
+    from fp4compile.formats import swizzle_scales
+
+    if a_data.device.type != "cuda":
+        raise ValueError(f"the CUTLASS NVFP4 GEMM runs on CUDA tensors, got a tensor on {a_data.device}")
+    kernel = load(config, device=a_data.device)
+    a_scales = swizzle_scales(a_scales) if a_scales.dim() == 2 else a_scales
+    b_scales = swizzle_scales(b_scales) if b_scales.dim() == 2 else b_scales
+    return kernel(a_data, a_scales, a_amax, b_data, b_scales, b_amax, bias)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scale-layout cross-check against CUTLASS (host only)
+# ----------------------------------------------------------------------------------------------
+
+
+def scale_layout_probe(m: int, n: int, k: int, progress: bool = False) -> dict:
+    """Scale offsets of CUTLASS's ``Sm1xxBlockScaledConfig<16>`` layouts for an M x N x K problem.
+
+    Compiles ``cutlass_templates/scale_layout_probe.cu`` (host code, cached like the kernels) and runs
+    it on this machine. Returns ``{"SFA": int64 tensor [M, K/16], "SFB": [N, K/16], "SIZE_SFA": bytes,
+    "SIZE_SFB": bytes}`` with the byte offset of each (row, 16-element block) scale.
+    """
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise KernelBuildError("nvcc not found (set CUDA_HOME or FP4COMPILE_NVCC, or put nvcc on PATH)")
+    includes = cutlass_include_dirs()
+    source = _template_text(PROBE_SOURCE)
+    material = {
+        "kind": "scale_layout_probe",
+        "source_sha256": hashlib.sha256(source.encode()).hexdigest(),
+        "nvcc": nvcc_version(nvcc),
+        "cutlass": cutlass_version(),
+    }
+
+    def produce(tmp: Path) -> list[str]:
+        (tmp / PROBE_SOURCE).write_text(source)
+        # PTX only for the (empty) device side keeps the compile short; the program runs on the host.
+        run_compiler(
+            [nvcc, "-std=c++17", "-arch=compute_100a", "-code=compute_100a", *(f"-I{d}" for d in includes),
+             PROBE_SOURCE, "-o", "scale_layout_probe"],
+            label="scale layout probe",
+            progress=progress,
+            cwd=tmp,
+        )
+        return [PROBE_SOURCE, "scale_layout_probe"]
+
+    entry = cached_build("scale_layout_probe", material, produce, progress=progress)
+    exe = entry.file("scale_layout_probe")
+    exe.chmod(exe.stat().st_mode | 0o100)
+    out = subprocess.run([str(exe), str(m), str(n), str(k)], capture_output=True, text=True, check=True).stdout
+    result = {name: torch.full((rows, k // 16), -1, dtype=torch.int64) for name, rows in (("SFA", m), ("SFB", n))}
+    for line in out.splitlines():
+        fields = line.split()
+        if fields[0] == "SIZE":
+            result[f"SIZE_{fields[1]}"] = int(fields[2])
+        else:
+            result[fields[0]][int(fields[1]), int(fields[2])] = int(fields[3])
+    return result
