@@ -6,8 +6,10 @@
 
 from . import formats, ops, runtime
 from .backend import Backend, get_backend, nvfp4_backend
+from .explain import explain
 from .passes.pipeline import precision_pass, print_pipeline
 from .recipe import Recipe
+from .report import Report
 from .runtime import get_rng_state, manual_seed, set_rng_state
 from .sites import GemmSite
 
@@ -17,6 +19,8 @@ __all__ = [
     "Backend",
     "GemmSite",
     "Recipe",
+    "Report",
+    "explain",
     "formats",
     "get_backend",
     "get_rng_state",

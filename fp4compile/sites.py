@@ -103,6 +103,7 @@ class CompileContext:
         self.n_blocks = 0
         self.block_names: list[str] = []
         self.graphs: list[StageGraph] = []
+        self.final_graphs: dict[str, torch.fx.Graph] = {}  # stage -> graph after the latest pass
         self._record = record
         self.fallbacks: list[str] = []
 
@@ -121,5 +122,9 @@ class CompileContext:
     def record(self, stage: str, pass_name: str, gm: torch.fx.GraphModule, changes: str = "") -> None:
         graph = StageGraph(self.graph_id, stage, pass_name, gm.print_readable(print_output=False), changes)
         self.graphs.append(graph)
+        # A copy: the inner compiler (Inductor's post-grad passes) may rewrite ``gm`` after our last pass.
+        final = torch.fx.Graph()
+        final.output(final.graph_copy(gm.graph, {}))
+        self.final_graphs[stage] = final
         if self._record is not None:
             self._record(graph)
