@@ -131,6 +131,7 @@ def main():
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--out", default="bench_e2e.json")
     args = p.parse_args()
     if args.variant:
@@ -146,7 +147,7 @@ def main():
     results["check"] = check_bit_exact()
     rows = []
     for d in args.d_model:
-        for variant in VARIANTS:
+        for variant in args.variants:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp())
             cmd = [sys.executable, __file__, "--variant", variant, "--d-model", str(d), "--n-layer", str(args.n_layer),
                    "--steps", str(args.steps), "--batch", str(args.batch)]

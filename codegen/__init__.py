@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from fp4compile import ops
+from fp4compile import ops, runtime
 
 log = logging.getLogger("fp4compile")
 
@@ -27,6 +27,13 @@ _notices: set[str] = set()
 class KernelChoice:
     name: str
     reason: str
+
+
+def _register_quantize_kernels() -> None:
+    """Fused Triton quantizers take NVFP4 quantize calls on CUDA tensors (bit-exact with formats)."""
+    from . import triton_kernels
+
+    runtime.register_quantize_provider(triton_kernels.quantize_provider)
 
 
 def _notice(message: str) -> None:
@@ -76,3 +83,6 @@ def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: st
         config = cutlass_gemm.GemmConfig.from_name(kernel.split(":", 1)[1])
         return cutlass_gemm.scaled_mm(config, a, a_scales, a_amax, b, b_scales, b_amax)
     return ops.scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
+
+
+_register_quantize_kernels()

@@ -244,7 +244,8 @@ def _block_amax(xf: torch.Tensor, block: str) -> torch.Tensor:
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """S_enc = min(2688 / amax, FLT_MAX), replaced by 1 where amax == 0 or S_enc == 0."""
-    s = torch.clamp(NVFP4_GLOBAL / amax, max=FLT_MAX)  # clamp keeps NaN
+    # An IEEE division (``2688 / tensor`` in PyTorch would be reciprocal-then-multiply: two roundings).
+    s = torch.clamp(torch.full_like(amax, NVFP4_GLOBAL).div(amax), max=FLT_MAX)  # clamp keeps NaN
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
 
 

@@ -143,7 +143,12 @@ def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_
     if a.is_cuda and fmt == "nvfp4":
         # Every E2M1 x E4M3 product is exact in BF16: a BF16 GEMM with fp32 output accumulates the
         # same products in fp32 at tensor-core speed.
-        da, db = formats.block_decode(qa).to(torch.bfloat16), formats.block_decode(qb).to(torch.bfloat16)
+        from fp4compile.codegen import triton_kernels
+
+        if triton_kernels.available()[0]:
+            da, db = triton_kernels.block_decode(a, a_scales), triton_kernels.block_decode(b, b_scales)
+        else:
+            da, db = formats.block_decode(qa).to(torch.bfloat16), formats.block_decode(qb).to(torch.bfloat16)
         acc = torch.mm(da, db.t(), out_dtype=torch.float32)
     else:
         acc = formats.block_decode(qa) @ formats.block_decode(qb).t()

@@ -991,3 +991,13 @@ def test_swizzle_errors():
         formats.swizzle_scales(torch.zeros(2, 3, 4, dtype=torch.uint8))
     with pytest.raises(ValueError):
         formats.unswizzle_scales(torch.zeros(100, dtype=torch.uint8), 5, 3)
+
+
+def test_global_encode_scale_is_one_ieee_division():
+    """S_enc = 2688 / amax rounded once (not reciprocal-then-multiply, which differs for many amax)."""
+    import numpy as np
+
+    amax = torch.rand(20000, dtype=torch.float32, generator=torch.Generator().manual_seed(0)) * 100 + 1e-3
+    want = np.float32(2688.0) / amax.numpy()
+    got = formats.global_encode_scale(amax).numpy()
+    assert np.array_equal(got, want)

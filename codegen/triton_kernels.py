@@ -1,0 +1,888 @@
+"""Triton kernels that emulate NVFP4 on GPUs without FP4 tensor cores (Hopper and older).
+
+Every kernel produces exactly the bits of ``fp4compile.formats`` (the CPU reference): the same packed
+E2M1 codes, E4M3 block scales and global amax, including stochastic rounding (the counter-based bits
+of ``formats.sr_random_bits`` are regenerated per element from (seed, flat index)) and the
+NaN/Inf/zero cases of the global scale. What they add is speed: one pass over the tensor per kernel.
+
+| function | what it returns | equals |
+|---|---|---|
+| ``global_amax(x)`` | max abs of x (fp32, NaN-propagating) | ``x.float().abs().amax()`` |
+| ``wgrad_amax(x)`` | (amax of x, amax of RHT(x^T)), one read | ``(.., rht(x.t()).float().abs().amax())`` |
+| ``quantize_1x16(x, rounding, seed, amax, swizzle)`` | (codes uint8 [M, K/2], scales uint8, amax) | ``quantize(x, "nvfp4", "1x16", ..)`` |
+| ``quantize_16x16(w, ...)`` | same, 16x16 tiles (scales repeated per row) | ``quantize(w, "nvfp4", "16x16", ..)`` |
+| ``quantize_wgrad_operand(x, rounding, seed, ..)`` | quantized RHT(x^T): [K, tokens/2] .. | ``quantize(rht(x.t()), ..)`` |
+| ``fake_quantize_*`` | (value(code) * block scale in bf16, amax) | ``block_decode(quantize(..))`` |
+| ``dequantize`` / ``block_decode`` | decoded tensor from codes and scales | ``formats.dequantize`` / ``block_decode`` |
+| ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alphas | ``ops.scaled_mm_reference`` |
+
+The fake-quant outputs are exact in bf16 (an E2M1 value times an E4M3 scale has at most 6 significant
+bits), so an emulated FP4 GEMM is a plain bf16 GEMM with fp32 accumulation followed by the per-tensor
+decode factors: the same arithmetic a Blackwell block-scaled GEMM does, up to the summation order.
+
+A global amax needs a pass of its own before the quantizing pass (the block scales depend on it). With
+``amax=`` given, the quantizing pass runs at once and tracks the tensor's own amax on the side, because
+a non-finite own amax wins over the given one (as in ``formats.quantize``); a fix-up pass, which exits
+at once when the own amax is finite, then redoes the tensor in that rare case.
+
+Arithmetic notes: divisions use ``div_rn`` (Triton's ``/`` is approximate on NVIDIA GPUs), every
+kernel is compiled without mul+add contraction, E4M3 and E2M1 rounding are done on the fp32 bits (and
+one exact-by-construction fp32 addition), and the RHT accumulates its 16 products by fused
+multiply-adds in the order i = 0..15, as the CPU matmul that ``formats.rht`` runs does. Where an
+element's scaled value is NaN its code is +0 (code 0): NaN has no E2M1 encoding, and the sign the CPU
+reference gives such an element depends on its vector unit. docs/emulation.md has the details.
+
+Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (slow; for tests).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Optional
+
+import torch
+
+from fp4compile import formats
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as exc:  # the package works without triton; available() says why these kernels don't
+    triton = None
+    tl = None
+    _IMPORT_ERROR = str(exc)
+else:
+    _IMPORT_ERROR = ""
+
+__all__ = [
+    "available",
+    "global_amax",
+    "wgrad_amax",
+    "quantize_1x16",
+    "quantize_16x16",
+    "quantize_wgrad_operand",
+    "fake_quantize_1x16",
+    "fake_quantize_16x16",
+    "fake_quantize_wgrad_operand",
+    "dequantize",
+    "block_decode",
+    "emulated_scaled_mm",
+    "quantize_provider",
+    "CONFIGS",
+]
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Launch parameters per kernel, chosen on an H200 (benchmarks/bench_kernels.py sweeps alternatives).
+CONFIGS = {
+    "amax": dict(BLOCK=4096, ITERS=8, num_warps=8),
+    "quantize_rows": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
+    "quantize_tiles": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
+    "rht_amax": dict(BLOCK_M=128, BLOCK_K=64, ITERS=4, num_warps=4),
+    "rht_quantize": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
+    "decode": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
+    "epilogue": dict(BLOCK=4096, num_warps=8),
+}
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to float32 (round to nearest even), as a Python float."""
+    return struct.unpack("<f", struct.pack("<f", value))[0]
+
+
+def _interpreting() -> bool:
+    return triton is not None and (os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available())
+
+
+def available() -> tuple[bool, str]:
+    """(whether the kernels can run here, why or why not)."""
+    if triton is None:
+        return False, f"triton is not installed ({_IMPORT_ERROR})"
+    if not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return True, f"no CUDA device: Triton {triton.__version__} interpreter on the CPU (slow, for tests)"
+        return False, "no CUDA device (TRITON_INTERPRET=1 runs the kernels in Triton's interpreter on the CPU)"
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if major < 8:
+        return False, f"{name} (sm_{major}{minor}) lacks bfloat16 support; the kernels need sm_80 or newer"
+    return True, f"Triton {triton.__version__} on {name} (sm_{major}{minor})"
+
+
+if triton is not None:
+    # Kernels are compiled for the GPU, or run by the interpreter when there is none, whatever the
+    # environment said when triton was first imported.
+    if _interpreting():
+        from triton.runtime.interpreter import InterpretedFunction
+
+        def _jit(**kwargs):
+            return InterpretedFunction
+
+    else:
+
+        def _jit(**kwargs):
+            return lambda fn: triton.jit(fn, **kwargs)
+
+    _FLT_MAX = tl.constexpr(torch.finfo(torch.float32).max)
+    _NVFP4_GLOBAL = tl.constexpr(formats.NVFP4_GLOBAL)
+    _ONE_SIXTH = tl.constexpr(_f32(1.0 / 6.0))
+    _INV_GLOBAL = tl.constexpr(_f32(1.0 / formats.NVFP4_GLOBAL))
+    _TWO_POW_M24 = tl.constexpr(2.0**-24)
+    # Bit i set where the RHT sign vector has -1 at i.
+    _RHT_NEG = tl.constexpr(sum(1 << i for i, s in enumerate(formats.DEFAULT_RHT_SIGNS) if s < 0))
+
+    # ------------------------------------------------------------------------------------------
+    # Scalar and element helpers
+    # ------------------------------------------------------------------------------------------
+
+    @_jit()
+    def _abs_bits(x):
+        """Bits of |x| as int32: their integer order is the float order, and NaN sorts above Inf."""
+        return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+    @_jit()
+    def _encode_scale(amax):
+        """(S_enc, S_dec) from the global amax: min(2688/amax, FLT_MAX), 1 where amax or S_enc is 0.
+
+        2688/amax is one IEEE-rounded division, as in the reference.
+        """
+        s_enc = tl.math.div_rn(2688.0, amax)  # = NVFP4_GLOBAL (6 * 448)
+        s_enc = tl.where(s_enc > _FLT_MAX, _FLT_MAX, s_enc)  # a NaN stays NaN
+        s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+        return s_enc, tl.math.div_rn(1.0, s_enc)
+
+    @_jit()
+    def _e4m3(f):
+        """(E4M3 code as uint8, its value in fp32) of f in [0, 448] or NaN, rounded to nearest even.
+
+        Matches ``torch.float8_e4m3fn`` conversion, subnormals included; NaN becomes code 0x7F.
+        """
+        nan = f != f
+        safe = tl.where(nan, 0.0, f)
+        bits = safe.to(tl.uint32, bitcast=True)
+        # Normal range: round the fp32 mantissa to 3 bits, ties to even; the bits then read as E4M3.
+        rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20
+        # Subnormal range: multiples of 2**-9, rounded to nearest even by the 2**23 addition.
+        steps = (safe * 512.0 + 8388608.0) - 8388608.0
+        normal = safe >= 0.015625
+        code = tl.where(normal, rounded - 960, steps.to(tl.uint32))
+        code = tl.where(nan, 0x7F, code).to(tl.uint8)
+        value = tl.where(normal, (rounded << 20).to(tl.float32, bitcast=True), steps * 0.001953125)
+        return code, tl.where(nan, f, value)
+
+    @_jit()
+    def _block_scale(bamax, s_enc, s_dec):
+        """(E4M3 scale code, its fp32 value, the fp32 encode factor) for block maxima >= 0 or NaN."""
+        sf32 = bamax * (s_enc * _ONE_SIXTH)
+        code, value = _e4m3(tl.where(sf32 > 448.0, 448.0, sf32))
+        enc = tl.math.div_rn(1.0, value * s_dec)
+        return code, value, tl.where(enc > _FLT_MAX, _FLT_MAX, enc)
+
+    # Triton's interpreter does not round fp32 -> bf16 conversions to nearest even; there they are
+    # done on the bits.
+    _BF16_ON_BITS = tl.constexpr(_interpreting())
+
+    @_jit()
+    def _round_to(x, dtype: tl.constexpr):
+        """fp32 x rounded to ``dtype`` (to nearest even) and back to fp32."""
+        if dtype == tl.bfloat16 and _BF16_ON_BITS:
+            bits = x.to(tl.uint32, bitcast=True)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+            return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+        else:
+            return x.to(dtype).to(tl.float32)
+
+    @_jit()
+    def _e4m3_value(code):
+        """fp32 value of E4M3 codes (uint8)."""
+        c = code.to(tl.uint32)
+        exponent = (c >> 3) & 0xF
+        mantissa = c & 7
+        subnormal = (mantissa.to(tl.float32) * 0.001953125).to(tl.uint32, bitcast=True)
+        bits = tl.where(exponent == 0, subnormal, ((exponent + 120) << 23) | (mantissa << 20))
+        bits = tl.where((c & 0x7F) == 0x7F, 0x7FC00000, bits)
+        return (bits | ((c >> 7) << 31)).to(tl.float32, bitcast=True)
+
+    @_jit()
+    def _grid_position(v):
+        """(m = min(|v|, 6), its fp32 bits, bits of its binade 2**floor(log2 m) clamped to >= 1, sign code).
+
+        A NaN v gives meaningless results: callers zero the codes of blocks whose encode factor is NaN,
+        which are exactly the blocks where v can be NaN.
+        """
+        m = tl.minimum(tl.abs(v), 6.0)
+        bits = m.to(tl.uint32, bitcast=True)
+        binade = tl.maximum(bits & 0x7F800000, 0x3F800000)
+        sign = (v.to(tl.uint32, bitcast=True) >> 28) & 8
+        return m, bits, binade, sign
+
+    @_jit()
+    def _e2m1_rne(v):
+        """(4-bit code, signed E2M1 value) of v rounded to nearest, ties to even, saturating at 6.
+
+        Adding 3 * 2**21 * binade rounds m to its binade's grid step (0.5, 1 or 2) in one fp32 addition;
+        the number of steps, read off the sum's bits, plus the binade's offset, is the E2M1 index.
+        """
+        m, bits, binade, sign = _grid_position(v)
+        magic = binade + (0x4AC00000 - 0x3F800000)
+        total = m + magic.to(tl.float32, bitcast=True)
+        idx = total.to(tl.uint32, bitcast=True) - magic + ((binade - 0x3F800000) >> 22)
+        rounded = total - magic.to(tl.float32, bitcast=True)
+        value = (rounded.to(tl.uint32, bitcast=True) | (sign << 28)).to(tl.float32, bitcast=True)
+        return idx | sign, value
+
+    @_jit()
+    def _e2m1_sr(v, rand):
+        """(4-bit code, signed E2M1 value) of v rounded stochastically, as ``formats._e2m1_index_sr``.
+
+        lo is m truncated to the grid (one mantissa bit from 1 up; 0 or 0.5 below), the step is
+        binade / 2, so frac = (m - lo) / step is exact; hi is taken when (rand >> 8) * 2**-24 < frac.
+        """
+        m, bits, binade, sign = _grid_position(v)
+        normal = m >= 1.0
+        half = m >= 0.5
+        lo_bits = tl.where(normal, (bits >> 22) << 22, tl.where(half, 0x3F000000, 0))
+        lo = lo_bits.to(tl.float32, bitcast=True)
+        step = (binade - 0x00800000).to(tl.float32, bitcast=True)
+        inv_step = (0x7F800000 - binade).to(tl.float32, bitcast=True)
+        up = (rand >> 8).to(tl.float32) * _TWO_POW_M24 < (m - lo) * inv_step
+        idx = tl.where(normal, (lo_bits >> 22) - 252, half.to(tl.uint32)) + up.to(tl.uint32)
+        value = (tl.where(up, lo + step, lo).to(tl.uint32, bitcast=True) | (sign << 28)).to(tl.float32, bitcast=True)
+        return idx | sign, value
+
+    @_jit()
+    def _e2m1_value(code):
+        """fp32 value of 4-bit E2M1 codes."""
+        c = code.to(tl.uint32)
+        idx = c & 7
+        bits = tl.where(idx >= 2, (((idx >> 1) + 126) << 23) | ((idx & 1) << 22), tl.where(idx == 1, 0x3F000000, 0))
+        return (bits | ((c >> 3) << 31)).to(tl.float32, bitcast=True)
+
+    @_jit()
+    def _hash32(x):
+        """lowbias32 on uint32, as ``formats._hash32``."""
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @_jit()
+    def _sr_bits(index, seed_lo, seed_hi):
+        """``formats.sr_random_bits`` for int64 flat indices; seed_lo/seed_hi hold the seed's halves."""
+        k0 = seed_lo.to(tl.uint32, bitcast=True)
+        k1 = seed_hi.to(tl.uint32, bitcast=True)
+        lo = index.to(tl.uint32)
+        hi = (index >> 32).to(tl.uint32)
+        return _hash32(_hash32(lo ^ k0) ^ (hi ^ k1))
+
+    @_jit()
+    def _store_scales(scales_ptr, sf, rows, cols, n_cols, mask, SWIZZLE: tl.constexpr):
+        """Store [rows, cols] scale codes row-major, or at their 128x4-tile offsets (formats.swizzled_offset)."""
+        r = rows[:, None]
+        c = cols[None, :]
+        if SWIZZLE:
+            offset = (((r // 128) * ((n_cols + 3) // 4) + c // 4) * 32 + r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+        else:
+            offset = r.to(tl.int64) * n_cols + c
+        tl.store(scales_ptr + offset, sf, mask=mask)
+
+    @_jit()
+    def _fixup_amax(amax_ptr, own_ptr, out_amax_ptr, first):
+        """Fix-up pass after a given-amax pass: (the own amax, whether it is non-finite and so wins).
+
+        The first program writes the amax the result was quantized with.
+        """
+        own_bits = tl.load(own_ptr)
+        own = own_bits.to(tl.float32, bitcast=True)
+        nonfinite = own_bits >= 0x7F800000
+        tl.store(out_amax_ptr, tl.where(nonfinite, own, tl.load(amax_ptr)), mask=first)
+        return own, nonfinite
+
+    # ------------------------------------------------------------------------------------------
+    # Global amax
+    # ------------------------------------------------------------------------------------------
+
+    @_jit()
+    def _amax_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """Atomic max of |x| bits (int32) into out_ptr; each program reads ITERS * BLOCK elements."""
+        start = tl.program_id(0).to(tl.int64) * (BLOCK * ITERS)
+        acc = tl.zeros((BLOCK,), tl.int32)
+        for i in range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+            acc = tl.maximum(acc, _abs_bits(x))
+        tl.atomic_max(out_ptr, tl.max(acc, axis=0))
+
+    # ------------------------------------------------------------------------------------------
+    # Quantize along rows: 1x16 blocks or 16x16 tiles
+    # ------------------------------------------------------------------------------------------
+
+    @_jit()
+    def _quantize_rows_tile(
+        x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
+        TILE_ROWS: tl.constexpr, SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """Quantize a [BLOCK_M, BLOCK_K] tile; returns the bits of its abs max."""
+        NB: tl.constexpr = BLOCK_K // 16
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        row_ok = rows < M
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x4 = tl.reshape(x.to(tl.float32), (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
+        bamax = tl.max(tl.max(_abs_bits(x4), axis=3), axis=1).to(tl.float32, bitcast=True)
+        s_enc, s_dec = _encode_scale(amax)
+        sf_code, sf, enc = _block_scale(bamax, s_enc, s_dec)
+        v = x4 * enc[:, None, :, None]
+        if SR:
+            index = tl.reshape(rows.to(tl.int64)[:, None] * K + cols[None, :], (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
+            code, value = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
+        else:
+            code, value = _e2m1_rne(v)
+        if FAKE:
+            bd = tl.reshape(value * sf[:, None, :, None], (BLOCK_M, BLOCK_K))
+            tl.store(bd_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], bd.to(bd_ptr.dtype.element_ty), mask=mask)
+        else:
+            # NaN has no E2M1 code: blocks whose encode factor is NaN (the only ones where v can be NaN) get 0.
+            code = tl.where((enc == enc)[:, None, :, None], code, 0).to(tl.uint8)
+            lo, hi = tl.split(tl.reshape(code, (BLOCK_M, BLOCK_K // 2, 2)))
+            pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            pmask = row_ok[:, None] & (pcols < K // 2)[None, :]
+            tl.store(data_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], lo | (hi << 4), mask=pmask)
+            sf_rows = tl.reshape(
+                tl.broadcast_to(sf_code[:, None, :], (BLOCK_M // TILE_ROWS, TILE_ROWS, NB)), (BLOCK_M, NB)
+            )
+            scols = pid_k * NB + tl.arange(0, NB)
+            smask = row_ok[:, None] & (scols < K // 16)[None, :]
+            _store_scales(scales_ptr, sf_rows, rows, scols, K // 16, smask, SWIZZLE)
+        return tl.max(tl.max(bamax.to(tl.int32, bitcast=True), axis=1), axis=0)
+
+    @_jit(do_not_specialize=("seed_lo", "seed_hi"))
+    def _quantize_rows_kernel(
+        x_ptr, amax_ptr, own_ptr, out_amax_ptr, data_ptr, scales_ptr, bd_ptr, M, K, stride_xm, seed_lo, seed_hi,
+        TILE_ROWS: tl.constexpr, SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, PASS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        # PASS 0: amax_ptr holds the own amax. 1: a given amax; track the own one. 2: fix-up.
+        if PASS == 2:
+            own, nonfinite = _fixup_amax(amax_ptr, own_ptr, out_amax_ptr, (pid_m == 0) & (pid_k == 0))
+            if nonfinite:
+                _quantize_rows_tile(
+                    x_ptr, data_ptr, scales_ptr, bd_ptr, own, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
+                    TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                )
+        else:
+            tile_amax_bits = _quantize_rows_tile(
+                x_ptr, data_ptr, scales_ptr, bd_ptr, tl.load(amax_ptr), M, K, stride_xm, seed_lo, seed_hi, pid_m,
+                pid_k, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+            )
+            if PASS == 1:
+                tl.atomic_max(own_ptr, tile_amax_bits)
+
+    # ------------------------------------------------------------------------------------------
+    # Weight-gradient operand: quantize(RHT(x^T)) with 16-token RHT chunks = 16-token blocks
+    # ------------------------------------------------------------------------------------------
+
+    @_jit()
+    def _halves(t):
+        """(t[..., 0::2], t[..., 1::2]) of a [R, C, 2n] tensor, as [R, C, n] tensors."""
+        return tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2] // 2, 2)))
+
+    @_jit()
+    def _rht_step(acc, xi, i: tl.constexpr):
+        """acc[b, j, k] = fma(x_i[b, k], H[i, j], acc[b, j, k]) with H[i, j] = s_i * (-1)**popcount(i & j) / 4."""
+        j = tl.arange(0, 16)
+        p = i & j
+        p = p ^ (p >> 2)
+        p = (p ^ (p >> 1)) & 1
+        h = tl.where((p ^ ((_RHT_NEG >> i) & 1)) == 1, -0.25, 0.25)
+        xb = tl.reshape(xi, (acc.shape[0], 1, acc.shape[2]))
+        return tl.fma(tl.broadcast_to(xb, acc.shape), tl.broadcast_to(h[None, :, None], acc.shape), acc)
+
+    @_jit()
+    def _rht_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """RHT along tokens of the [BLOCK_M tokens, BLOCK_K] tile at (pid_m, pid_k).
+
+        Returns (y [BLOCK_M/16, 16, BLOCK_K] fp32, where y[b, j, k] = RHT(x^T)[k, 16 b + j] rounded to
+        x's dtype as ``formats.rht`` returns it; bits of the tile's abs max of x; chunk indices; column indices).
+        """
+        tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (tokens < M)[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
+        x_amax = tl.max(tl.max(_abs_bits(x), axis=1), axis=0)
+        # [chunk, column, i]: split the 16 tokens of each chunk into 16 [chunk, column, 1] tensors x_i.
+        xt = tl.permute(tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K)), (0, 2, 1))
+        even, odd = _halves(xt)
+        i0_4, i2_4 = _halves(even)  # i = 4q and 4q + 2
+        i1_4, i3_4 = _halves(odd)  # i = 4q + 1 and 4q + 3
+        i0_8, i4_8 = _halves(i0_4)
+        i2_8, i6_8 = _halves(i2_4)
+        i1_8, i5_8 = _halves(i1_4)
+        i3_8, i7_8 = _halves(i3_4)
+        x0, x8 = _halves(i0_8)
+        x4, x12 = _halves(i4_8)
+        x2, x10 = _halves(i2_8)
+        x6, x14 = _halves(i6_8)
+        x1, x9 = _halves(i1_8)
+        x5, x13 = _halves(i5_8)
+        x3, x11 = _halves(i3_8)
+        x7, x15 = _halves(i7_8)
+        # Fused multiply-adds in the order i = 0..15, as the CPU matmul (MKL) of formats.rht accumulates.
+        acc = tl.zeros((BLOCK_M // 16, 16, BLOCK_K), tl.float32)
+        acc = _rht_step(acc, x0, 0)
+        acc = _rht_step(acc, x1, 1)
+        acc = _rht_step(acc, x2, 2)
+        acc = _rht_step(acc, x3, 3)
+        acc = _rht_step(acc, x4, 4)
+        acc = _rht_step(acc, x5, 5)
+        acc = _rht_step(acc, x6, 6)
+        acc = _rht_step(acc, x7, 7)
+        acc = _rht_step(acc, x8, 8)
+        acc = _rht_step(acc, x9, 9)
+        acc = _rht_step(acc, x10, 10)
+        acc = _rht_step(acc, x11, 11)
+        acc = _rht_step(acc, x12, 12)
+        acc = _rht_step(acc, x13, 13)
+        acc = _rht_step(acc, x14, 14)
+        acc = _rht_step(acc, x15, 15)
+        chunks = pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
+        return _round_to(acc, x_ptr.dtype.element_ty), x_amax, chunks, cols
+
+    @_jit()
+    def _rht_amax_kernel(
+        x_ptr, amax_x_ptr, amax_y_ptr, M, K, stride_xm,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr,
+    ):
+        """Atomic max of |x| and |RHT(x^T)| bits; each program takes ITERS tiles along K."""
+        pid_m = tl.program_id(0)
+        x_amax = tl.zeros((), tl.int32)
+        y_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.int32)
+        for i in range(ITERS):
+            y, tile_x_amax, chunks, cols = _rht_tile(
+                x_ptr, M, K, stride_xm, pid_m, tl.program_id(1) * ITERS + i, BLOCK_M, BLOCK_K
+            )
+            x_amax = tl.maximum(x_amax, tile_x_amax)
+            y_acc = tl.maximum(y_acc, tl.max(_abs_bits(y), axis=1))
+        tl.atomic_max(amax_x_ptr, x_amax)
+        tl.atomic_max(amax_y_ptr, tl.max(tl.max(y_acc, axis=1), axis=0))
+
+    @_jit()
+    def _rht_quantize_tile(
+        x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
+        SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """Quantize RHT(x^T) for one tile; outputs are [K, M]-shaped (transposed). Returns its abs-max bits."""
+        y, x_amax, chunks, cols = _rht_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K)
+        bamax = tl.max(_abs_bits(y), axis=1).to(tl.float32, bitcast=True)  # [chunk, column]
+        s_enc, s_dec = _encode_scale(amax)
+        sf_code, sf, enc = _block_scale(bamax, s_enc, s_dec)
+        v = y * enc[:, None, :]
+        if SR:
+            # Flat index of element (k, token) of the [K, M] tensor that formats.quantize sees.
+            tokens3 = (chunks.to(tl.int64) * 16)[:, None, None] + tl.arange(0, 16)[None, :, None]
+            index = cols.to(tl.int64)[None, None, :] * M + tokens3
+            code, value = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
+        else:
+            code, value = _e2m1_rne(v)
+        col_ok = cols < K
+        if FAKE:
+            bd = tl.reshape(tl.permute(value * sf[:, None, :], (2, 0, 1)), (BLOCK_K, BLOCK_M))
+            tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            bmask = col_ok[:, None] & (tokens < M)[None, :]
+            tl.store(bd_ptr + cols.to(tl.int64)[:, None] * M + tokens[None, :], bd.to(bd_ptr.dtype.element_ty), mask=bmask)
+        else:
+            code = tl.where((enc == enc)[:, None, :], code, 0).to(tl.uint8)
+            lo, hi = tl.split(tl.reshape(tl.permute(code, (2, 0, 1)), (BLOCK_K, BLOCK_M // 2, 2)))
+            pcols = pid_m * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
+            pmask = col_ok[:, None] & (pcols < M // 2)[None, :]
+            tl.store(data_ptr + cols.to(tl.int64)[:, None] * (M // 2) + pcols[None, :], lo | (hi << 4), mask=pmask)
+            smask = col_ok[:, None] & (chunks < M // 16)[None, :]
+            _store_scales(scales_ptr, tl.permute(sf_code, (1, 0)), cols, chunks, M // 16, smask, SWIZZLE)
+        return tl.max(tl.max(bamax.to(tl.int32, bitcast=True), axis=1), axis=0)
+
+    @_jit(do_not_specialize=("seed_lo", "seed_hi"))
+    def _rht_quantize_kernel(
+        x_ptr, amax_ptr, own_ptr, out_amax_ptr, data_ptr, scales_ptr, bd_ptr, M, K, stride_xm, seed_lo, seed_hi,
+        SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, PASS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        if PASS == 2:
+            own, nonfinite = _fixup_amax(amax_ptr, own_ptr, out_amax_ptr, (pid_m == 0) & (pid_k == 0))
+            if nonfinite:
+                _rht_quantize_tile(
+                    x_ptr, data_ptr, scales_ptr, bd_ptr, own, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
+                    SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                )
+        else:
+            tile_amax_bits = _rht_quantize_tile(
+                x_ptr, data_ptr, scales_ptr, bd_ptr, tl.load(amax_ptr), M, K, stride_xm, seed_lo, seed_hi, pid_m,
+                pid_k, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+            )
+            if PASS == 1:
+                tl.atomic_max(own_ptr, tile_amax_bits)
+
+    # ------------------------------------------------------------------------------------------
+    # Decode, and the emulated GEMM's epilogue
+    # ------------------------------------------------------------------------------------------
+
+    @_jit()
+    def _decode_kernel(
+        data_ptr, scales_ptr, amax_ptr, out_ptr, M, K,
+        SWIZZLE: tl.constexpr, APPLY_AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """value(code) * sf, times (sf * amax) * fp32(1/2688) instead of sf with APPLY_AMAX."""
+        NB: tl.constexpr = BLOCK_K // 16
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(
+            data_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :],
+            mask=row_ok[:, None] & (pcols < K // 2)[None, :], other=0,
+        )
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_M, NB, 16))
+        scols = pid_k * NB + tl.arange(0, NB)
+        r = rows[:, None]
+        c = scols[None, :]
+        if SWIZZLE:
+            soffset = (((r // 128) * ((K // 16 + 3) // 4) + c // 4) * 32 + r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+        else:
+            soffset = r.to(tl.int64) * (K // 16) + c
+        sf = _e4m3_value(tl.load(scales_ptr + soffset, mask=row_ok[:, None] & (c < K // 16), other=0))
+        if APPLY_AMAX:
+            sf = (sf * tl.load(amax_ptr)) * _INV_GLOBAL
+        out = _round_to(tl.reshape(_e2m1_value(codes) * sf[:, :, None], (BLOCK_M, BLOCK_K)), out_ptr.dtype.element_ty)
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(
+            out_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & (cols < K)[None, :],
+        )
+
+    @_jit()
+    def _epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, out_ptr, N, BLOCK: tl.constexpr):
+        """out = (acc * (amax_a * fp32(1/2688))) * (amax_b * fp32(1/2688)), cast to out's dtype."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        scale_a = tl.load(amax_a_ptr) * _INV_GLOBAL
+        scale_b = tl.load(amax_b_ptr) * _INV_GLOBAL
+        acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
+        out = _round_to((acc * scale_a) * scale_b, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Python API
+# ----------------------------------------------------------------------------------------------
+
+
+def _require_triton() -> None:
+    if triton is None:
+        raise RuntimeError(f"fp4compile's Triton kernels need triton: {_IMPORT_ERROR}")
+
+
+def _launch_options(cfg: dict) -> dict:
+    return {"num_warps": cfg["num_warps"], "enable_fp_fusion": False}
+
+
+def _as_rows(x: torch.Tensor, what: str, rows_multiple: int = 1, cols_multiple: int = 16) -> torch.Tensor:
+    """x as a 2-D [rows, K] tensor with unit stride along K (a view where possible)."""
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{what} takes float32, bfloat16 or float16 tensors, got {x.dtype} of shape {tuple(x.shape)}")
+    if x.dim() < 1 or x.shape[-1] % cols_multiple:
+        raise ValueError(
+            f"{what}: the last dim of shape {tuple(x.shape)} is not a multiple of {cols_multiple}; pad it first"
+        )
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if x2.shape[0] % rows_multiple:
+        raise ValueError(f"{what}: {x2.shape[0]} rows (shape {tuple(x.shape)}) is not a multiple of {rows_multiple}")
+    if x2.numel() == 0:
+        raise ValueError(f"{what}: empty tensor of shape {tuple(x.shape)}")
+    return x2
+
+
+def _seed_halves(rounding: str, seed: Optional[int]) -> tuple[int, int]:
+    """The seed's low and high 32 bits as signed int32 values (the kernels read the bits)."""
+    if rounding not in ("rne", "sr"):
+        raise ValueError(f"rounding must be 'rne' or 'sr', got {rounding!r}")
+    if rounding == "rne":
+        return 0, 0
+    if seed is None:  # as formats.quantize draws it
+        seed = int(torch.randint(0, 2**62, ()))
+    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
+    halves = (seed & 0xFFFFFFFF, seed >> 32)
+    return tuple(h - (1 << 32) if h >= (1 << 31) else h for h in halves)
+
+
+def _scales_buffer(rows: int, cols: int, swizzle: bool, device) -> torch.Tensor:
+    if swizzle:
+        return torch.zeros((-(-rows // 128) * 128) * (-(-cols // 4) * 4), dtype=torch.uint8, device=device)
+    return torch.empty((rows, cols), dtype=torch.uint8, device=device)
+
+
+def _amax_bits(x2: torch.Tensor) -> torch.Tensor:
+    """int32 [1] holding the bits of max |x| (viewed as float32 it is the amax)."""
+    cfg = CONFIGS["amax"]
+    out = torch.zeros(1, dtype=torch.int32, device=x2.device)
+    flat = x2 if x2.is_contiguous() else x2.contiguous()
+    n = flat.numel()
+    grid = (triton.cdiv(n, cfg["BLOCK"] * cfg["ITERS"]),)
+    _amax_kernel[grid](flat, out, n, BLOCK=cfg["BLOCK"], ITERS=cfg["ITERS"], **_launch_options(cfg))
+    return out
+
+
+def _rht_amax_bits(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cfg = CONFIGS["rht_amax"]
+    m, k = x2.shape
+    out_x = torch.zeros(1, dtype=torch.int32, device=x2.device)
+    out_y = torch.zeros(1, dtype=torch.int32, device=x2.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"] * cfg["ITERS"]))
+    _rht_amax_kernel[grid](
+        x2, out_x, out_y, m, k, x2.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=cfg["ITERS"], **_launch_options(cfg),
+    )
+    return out_x, out_y
+
+
+def _quantize_passes(launch, own_amax_bits, amax: Optional[torch.Tensor], device) -> torch.Tensor:
+    """Run ``launch(amax_ptr, own_ptr, out_amax_ptr, PASS)`` as the amax mode needs; return the amax used.
+
+    Without ``amax``: one pass with the tensor's own amax (``own_amax_bits()`` computes it first).
+    With it: a pass with the given amax that also tracks the own amax, then the fix-up pass.
+    """
+    if amax is None:
+        own = own_amax_bits().view(torch.float32)
+        launch(own, own, own, 0)
+        return own.reshape(())
+    given = amax.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
+    own = torch.zeros(1, dtype=torch.int32, device=device)
+    result = torch.empty(1, dtype=torch.float32, device=device)
+    launch(given, own, result, 1)
+    launch(given, own, result, 2)
+    return result.reshape(())
+
+
+def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake):
+    _require_triton()
+    x2 = _as_rows(x, what, tile_rows)
+    m, k = x2.shape
+    cfg = CONFIGS["quantize_tiles" if tile_rows > 1 else "quantize_rows"]
+    seed_lo, seed_hi = _seed_halves(rounding, seed)
+    if fake:
+        bd = torch.empty((m, k), dtype=torch.bfloat16, device=x2.device)
+        data = scales = bd
+    else:
+        data = torch.empty((m, k // 2), dtype=torch.uint8, device=x2.device)
+        scales = _scales_buffer(m, k // 16, swizzle, x2.device)
+        bd = data
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+
+    def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
+        _quantize_rows_kernel[grid](
+            x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), seed_lo, seed_hi,
+            TILE_ROWS=tile_rows, SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
+        )
+
+    amax_used = _quantize_passes(launch, lambda: _amax_bits(x2), amax, x2.device)
+    lead = x.shape[:-1]
+    if fake:
+        return bd.reshape(x.shape), amax_used
+    if not swizzle:
+        scales = scales.reshape(*lead, k // 16)
+    return data.reshape(*lead, k // 2), scales, amax_used
+
+
+def _quantize_wgrad(x, rounding, seed, amax, swizzle, fake):
+    _require_triton()
+    x2 = _as_rows(x, "quantize_wgrad_operand", rows_multiple=16, cols_multiple=1)
+    m, k = x2.shape  # m tokens
+    cfg = CONFIGS["rht_quantize"]
+    seed_lo, seed_hi = _seed_halves(rounding, seed)
+    if fake:
+        bd = torch.empty((k, m), dtype=torch.bfloat16, device=x2.device)
+        data = scales = bd
+    else:
+        data = torch.empty((k, m // 2), dtype=torch.uint8, device=x2.device)
+        scales = _scales_buffer(k, m // 16, swizzle, x2.device)
+        bd = data
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+
+    def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
+        _rht_quantize_kernel[grid](
+            x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), seed_lo, seed_hi,
+            SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
+        )
+
+    amax_used = _quantize_passes(launch, lambda: _rht_amax_bits(x2)[1], amax, x2.device)
+    if fake:
+        return bd, amax_used
+    return data, scales, amax_used
+
+
+def global_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 0-dim tensor; NaN if x holds a NaN (as ``torch.amax``)."""
+    _require_triton()
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"global_amax takes float32, bfloat16 or float16 tensors, got {x.dtype}")
+    if x.numel() == 0:
+        raise ValueError(f"global_amax: empty tensor of shape {tuple(x.shape)}")
+    return _amax_bits(x.reshape(1, -1)).view(torch.float32).reshape(())
+
+
+def wgrad_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax of x, amax of RHT(x^T)) from one read of x [tokens, K] (tokens a multiple of 16).
+
+    The second is the amax ``quantize_wgrad_operand`` needs; the first serves the 1x16 quantization
+    of the same tensor for fprop or dgrad, so one pass gives both.
+    """
+    _require_triton()
+    x_bits, y_bits = _rht_amax_bits(_as_rows(x, "wgrad_amax", rows_multiple=16, cols_multiple=1))
+    return x_bits.view(torch.float32).reshape(()), y_bits.view(torch.float32).reshape(())
+
+
+def quantize_1x16(
+    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None,
+    swizzle: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 with 1x16 blocks along the last dim: (codes uint8 [..., K/2], scales uint8, amax fp32 0-dim).
+
+    Bit for bit ``formats.quantize(x, "nvfp4", "1x16", rounding, amax=amax, seed=seed)``. Scales are
+    the bits of float8_e4m3fn, [..., K/16] row-major, or with ``swizzle`` the flat 128x4-tiled layout
+    of ``formats.swizzle_scales`` over the [rows, K/16] matrix (zero padded).
+    """
+    return _quantize_rows(x, "quantize_1x16", 1, rounding, seed, amax, swizzle, fake=False)
+
+
+def quantize_16x16(
+    w: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None,
+    swizzle: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 with 16x16 tiles over the last two dims (scales repeated on each row of a tile, as formats)."""
+    return _quantize_rows(w, "quantize_16x16", 16, rounding, seed, amax, swizzle, fake=False)
+
+
+def quantize_wgrad_operand(
+    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None,
+    swizzle: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantized RHT(x^T) for x [tokens, K] (leading dims flattened into tokens, a multiple of 16).
+
+    Transpose, 16-point RHT along tokens, amax after the RHT and 1x16 quantization along tokens, fused:
+    returns (codes [K, tokens/2], scales [K, tokens/16] or swizzled, amax), bit for bit
+    ``formats.quantize(formats.rht(x2.t()), "nvfp4", "1x16", rounding, amax=amax, seed=seed)`` with
+    x2 = x as [tokens, K]. The RHT output is rounded to x's dtype first, as ``formats.rht`` returns it.
+    Use rounding="rne" for activations X and "sr" for output gradients dY.
+    """
+    return _quantize_wgrad(x, rounding, seed, amax, swizzle, fake=False)
+
+
+def fake_quantize_1x16(
+    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value(code) * block scale as bf16 with x's shape, amax): ``formats.block_decode`` of quantize_1x16."""
+    return _quantize_rows(x, "fake_quantize_1x16", 1, rounding, seed, amax, swizzle=False, fake=True)
+
+
+def fake_quantize_16x16(
+    w: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value(code) * tile scale as bf16, amax) for 16x16 tiles."""
+    return _quantize_rows(w, "fake_quantize_16x16", 16, rounding, seed, amax, swizzle=False, fake=True)
+
+
+def fake_quantize_wgrad_operand(
+    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block-decoded quantized RHT(x^T) as bf16 [K, tokens], amax)."""
+    return _quantize_wgrad(x, rounding, seed, amax, swizzle=False, fake=True)
+
+
+def _decode(data, scales, amax, dtype, swizzled, apply_amax):
+    _require_triton()
+    data = data.view(torch.uint8)
+    data2 = data.reshape(-1, data.shape[-1]).contiguous()
+    m, k = data2.shape[0], data2.shape[1] * 2
+    if k % 16:
+        raise ValueError(f"packed data of shape {tuple(data.shape)} does not hold whole 16-element blocks")
+    scales = scales.view(torch.uint8).contiguous()
+    expected = _scales_buffer(m, k // 16, swizzled, "meta").numel()
+    if scales.numel() != expected:
+        raise ValueError(f"scales hold {scales.numel()} bytes; [{m}, {k // 16}] (swizzled={swizzled}) needs {expected}")
+    out = torch.empty((m, k), dtype=dtype, device=data.device)
+    amax_t = (amax if amax is not None else torch.ones(())).detach().to(data.device, torch.float32).reshape(1)
+    cfg = CONFIGS["decode"]
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    _decode_kernel[grid](
+        data2, scales, amax_t, out, m, k, SWIZZLE=swizzled, APPLY_AMAX=apply_amax,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
+    )
+    return out.reshape(*data.shape[:-1], k)
+
+
+def dequantize(
+    data: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype = torch.float32,
+    swizzled: bool = False,
+) -> torch.Tensor:
+    """value(code) * ((sf * amax) * fp32(1/2688)), cast to ``dtype``: ``formats.dequantize`` for NVFP4.
+
+    ``data`` [..., K/2] packed codes, ``scales`` [..., K/16] (or swizzled) E4M3 bits; 16x16-tile results
+    decode the same way since their scales are stored per row.
+    """
+    return _decode(data, scales, amax, dtype, swizzled, apply_amax=True)
+
+
+def block_decode(data: torch.Tensor, scales: torch.Tensor, swizzled: bool = False) -> torch.Tensor:
+    """value(code) * sf in bf16 (exact): ``formats.block_decode``, the operand an emulated GEMM reads."""
+    return _decode(data, scales, None, torch.bfloat16, swizzled, apply_amax=False)
+
+
+def emulated_scaled_mm(
+    a_bd: torch.Tensor, amax_a: torch.Tensor, b_bd: torch.Tensor, amax_b: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """C = A @ B^T for block-decoded operands A [M, K], B [N, K] (bf16, from fake_quantize_* or block_decode).
+
+    fp32 accumulation, then (acc * (amax_a * fp32(1/2688))) * (amax_b * fp32(1/2688)) cast to
+    ``out_dtype``: the arithmetic of ``ops.scaled_mm_reference``, up to the GEMM's summation order.
+    """
+    _require_triton()
+    if a_bd.dim() != 2 or b_bd.dim() != 2 or a_bd.shape[1] != b_bd.shape[1]:
+        raise ValueError(f"emulated_scaled_mm needs A [M, K] and B [N, K], got {tuple(a_bd.shape)} and {tuple(b_bd.shape)}")
+    if a_bd.is_cuda:
+        acc = torch.mm(a_bd, b_bd.t(), out_dtype=torch.float32)
+    else:
+        acc = a_bd.float() @ b_bd.float().t()
+    out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
+    amax_a = amax_a.detach().to(acc.device, torch.float32).reshape(1)
+    amax_b = amax_b.detach().to(acc.device, torch.float32).reshape(1)
+    cfg = CONFIGS["epilogue"]
+    n = acc.numel()
+    _epilogue_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](acc, amax_a, amax_b, out, n, BLOCK=cfg["BLOCK"], **_launch_options(cfg))
+    return out
+
+
+def quantize_provider(x: torch.Tensor, fmt: str, block: str):
+    """A quantize provider for ``runtime.register_quantize_provider``: these kernels for NVFP4 on CUDA.
+
+    Returns a callable (x, rounding, seed) -> (data, scales, amax), or None where it cannot take the call.
+    """
+    if fmt != "nvfp4" or block not in ("1x16", "16x16") or not x.is_cuda or x.dtype not in _INPUT_DTYPES:
+        return None
+    if not available()[0] or x.dim() < 2 or x.shape[-1] % 16 or (block == "16x16" and x.shape[-2] % 16):
+        return None
+    if block == "1x16":
+        return lambda x, rounding, seed: quantize_1x16(x, rounding, seed)
+    return lambda x, rounding, seed: quantize_16x16(x, rounding, seed)

@@ -1,0 +1,346 @@
+"""Bit-exactness of the Triton NVFP4 emulation kernels against the CPU reference (fp4compile.formats).
+
+Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (small shapes, a few
+seconds each); tests marked ``gpu`` run the compiled kernels on larger shapes and compare with the
+CPU reference on copies. Everything is skipped when triton is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from fp4compile import formats  # noqa: E402
+from fp4compile.codegen import triton_kernels as tk  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's 1/0 in the interpreter
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BIG_SEED = 0xDEADBEEFCAFEF00D  # both 32-bit halves have their top bit set
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def sample(shape, dtype, seed=0, spread=3.0):
+    """Values over many binades (log-normal magnitudes, random signs), so every code and scale occurs."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.exp(torch.randn(shape, generator=g) * spread)
+    sign = torch.where(torch.rand(shape, generator=g) < 0.5, -1.0, 1.0)
+    return (sign * mag).to(dtype)
+
+
+def assert_same_quantization(data, scales, amax, ref: formats.QTensor, swizzled=False):
+    """Same amax (NaN matches NaN), scale bytes and codes as ``ref``.
+
+    Where the reference's scaled value is NaN (a NaN scale or amax) only the code magnitude is compared:
+    the sign the CPU gives a NaN product depends on its vector unit, and the kernels write +0.
+    """
+    data, scales, amax = data.cpu(), scales.cpu(), amax.cpu()
+    assert amax.dtype == torch.float32 and amax.shape == ()
+    assert torch.equal(amax, ref.amax) or (amax.isnan() and ref.amax.isnan()), (amax, ref.amax)
+    ref_scales = ref.scales.view(torch.uint8)
+    if swizzled:
+        ref_scales = formats.swizzle_scales(ref_scales.reshape(-1, ref_scales.shape[-1]))
+    assert scales.dtype == torch.uint8 and scales.shape == ref_scales.shape
+    bad = (scales != ref_scales).nonzero()
+    assert len(bad) == 0, f"{len(bad)} scales differ, first at {bad[0].tolist()}"
+    codes, ref_codes = formats.unpack_e2m1(data), ref.codes()
+    assert codes.shape == ref_codes.shape
+    nan = torch.isnan(formats.block_decode(ref))
+    same = torch.where(nan, (codes & 7) == (ref_codes & 7), codes == ref_codes)
+    bad = (~same).nonzero()
+    assert len(bad) == 0, f"{len(bad)} codes differ, first at {bad[0].tolist()}"
+
+
+def assert_same_float(actual, expected):
+    actual, expected = actual.cpu(), expected.cpu()
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    nan = actual.isnan()
+    assert torch.equal(nan, expected.isnan()), "NaN positions differ"
+    same = nan | (actual.view(torch.uint8) == expected.view(torch.uint8)).reshape(*actual.shape, -1).all(-1)
+    bad = (~same).nonzero()
+    assert len(bad) == 0, f"{len(bad)} values differ, first at {bad[0].tolist()}"
+
+
+def wgrad_reference(x, rounding, seed=None, amax=None):
+    x2 = x.reshape(-1, x.shape[-1])
+    return formats.quantize(formats.rht(x2.t()), "nvfp4", "1x16", rounding, amax=amax, seed=seed)
+
+
+def special_values(dtype):
+    """A [64, 64] tensor with zero blocks, -0, subnormals, E2M1 ties, tiny blocks (E4M3 subnormal
+    scales) and large values next to each other."""
+    x = sample((64, 64), torch.float32, seed=7)
+    x[0, :16] = 0.0
+    x[1, :16] = -0.0
+    x[1, 16:32] = torch.tensor(formats.E2M1_VALUES + (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0)) * 2.0**-3
+    x[2, :] = torch.finfo(dtype).tiny * torch.arange(64)  # subnormal and smallest normal values
+    x[3, :16] = 1e-6
+    x[3, 16:32] = 1e4
+    x[4, :] = torch.finfo(dtype).max / 4
+    return x.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# interpreter (CPU) or GPU, small shapes
+# ----------------------------------------------------------------------------------------------
+
+
+def test_available_reports_a_reason():
+    ok, reason = tk.available()
+    assert isinstance(ok, bool) and reason
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_quantize_1x16(dtype, rounding):
+    x = sample((48, 96), dtype, seed=1)  # neither dim a multiple of the tile
+    data, scales, amax = tk.quantize_1x16(x.to(DEVICE), rounding, seed=BIG_SEED)
+    assert_same_quantization(data, scales, amax, formats.quantize(x, rounding=rounding, seed=BIG_SEED))
+
+
+def test_quantize_1x16_batched_and_strided():
+    x = sample((2, 3, 64), torch.bfloat16, seed=2)
+    data, scales, amax = tk.quantize_1x16(x.to(DEVICE), "sr", seed=5)
+    assert data.shape == (2, 3, 32) and scales.shape == (2, 3, 4)
+    assert_same_quantization(data, scales, amax, formats.quantize(x, rounding="sr", seed=5))
+    wide = sample((16, 128), torch.bfloat16, seed=3)
+    view = wide.to(DEVICE)[:, 32:96]  # rows with a stride of 128
+    data, scales, amax = tk.quantize_1x16(view)
+    assert_same_quantization(data, scales, amax, formats.quantize(wide[:, 32:96]))
+
+
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_quantize_1x16_swizzled(rounding):
+    x = sample((130, 80), torch.bfloat16, seed=4)  # padded to 256 x 8 scales
+    data, scales, amax = tk.quantize_1x16(x.to(DEVICE), rounding, seed=9, swizzle=True)
+    ref = formats.quantize(x, rounding=rounding, seed=9)
+    assert_same_quantization(data, scales, amax, ref, swizzled=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_16x16(dtype):
+    w = sample((48, 80), dtype, seed=5)
+    data, scales, amax = tk.quantize_16x16(w.to(DEVICE))
+    assert_same_quantization(data, scales, amax, formats.quantize(w, block="16x16"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_quantize_wgrad_operand(dtype, rounding):
+    x = sample((96, 40), dtype, seed=6)  # 96 tokens, 40 features
+    data, scales, amax = tk.quantize_wgrad_operand(x.to(DEVICE), rounding, seed=BIG_SEED)
+    assert data.shape == (40, 48) and scales.shape == (40, 6)
+    assert_same_quantization(data, scales, amax, wgrad_reference(x, rounding, seed=BIG_SEED))
+
+
+def test_quantize_wgrad_operand_swizzled_batched():
+    x = sample((2, 64, 24), torch.bfloat16, seed=7)  # 128 tokens
+    data, scales, amax = tk.quantize_wgrad_operand(x.to(DEVICE), "sr", seed=3, swizzle=True)
+    assert_same_quantization(data, scales, amax, wgrad_reference(x, "sr", seed=3), swizzled=True)
+
+
+def test_global_amax_and_wgrad_amax():
+    x = sample((64, 48), torch.bfloat16, seed=8)
+    assert torch.equal(tk.global_amax(x.to(DEVICE)).cpu(), x.float().abs().amax())
+    amax_x, amax_rht = tk.wgrad_amax(x.to(DEVICE))
+    assert torch.equal(amax_x.cpu(), x.float().abs().amax())
+    assert torch.equal(amax_rht.cpu(), formats.rht(x.t()).float().abs().amax())
+
+
+def test_e2m1_ties_and_steps():
+    """With amax = inf the global scale is 1 and a block holding 6 has scale 1: codes see x itself."""
+    f32 = np.float32
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    around = [np.nextafter(f32(t), f32(d)) for t in ties + [0.5, 1.0, 6.0] for d in (0, 8)]
+    grid = list(formats.E2M1_VALUES) + ties + around + [7.0, 1e-30, 1e-40, 0.1, 2.9, 4.9]
+    values = torch.tensor(grid, dtype=torch.float32)
+    values = torch.cat([values, -values, torch.rand(512, generator=torch.Generator().manual_seed(0)) * 6.5])
+    x = torch.cat([torch.full((values.numel(), 1), 6.0), values[:, None].expand(-1, 15)], dim=1)
+    amax = torch.tensor(float("inf"))
+    for rounding in ("rne", "sr"):
+        out = tk.quantize_1x16(x.to(DEVICE), rounding, seed=21, amax=amax.to(DEVICE))
+        assert_same_quantization(*out, formats.quantize(x, rounding=rounding, seed=21, amax=amax))
+
+
+def test_e4m3_scale_rounding():
+    """Block maxima whose scale 6 * bamax * fp32(1/6) lands on E4M3 values, their midpoints (ties to
+    even), next to them, in the subnormal range and above 448; global scale 1 (amax = inf)."""
+    f32 = np.float32
+    one_sixth = f32(1.0 / 6.0)
+    e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    targets = np.concatenate([e4m3, (e4m3[1:] + e4m3[:-1]) / 2, [449.0, 464.0, 470.0, 480.0, 1e6, 2.0**-12]])
+    bamax = []
+    for t in targets.astype(f32):
+        b = f32(t / one_sixth)
+        for _ in range(3):  # step to a block max whose scaled value is exactly the target, if one exists
+            if f32(b * one_sixth) == t:
+                break
+            b = np.nextafter(b, f32(np.inf) if f32(b * one_sixth) < t else f32(0))
+        bamax += [b, np.nextafter(b, f32(0)), np.nextafter(b, f32(np.inf))]
+    bamax = torch.tensor(np.array(bamax, dtype=f32))
+    x = bamax[:, None] * torch.linspace(-1.0, 1.0, 16)[None, :]
+    amax = torch.tensor(float("inf"))
+    out = tk.quantize_1x16(x.to(DEVICE), amax=amax.to(DEVICE))
+    assert_same_quantization(*out, formats.quantize(x, amax=amax))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_values(dtype):
+    x = special_values(dtype)
+    for rounding in ("rne", "sr"):
+        out = tk.quantize_1x16(x.to(DEVICE), rounding, seed=11)
+        assert_same_quantization(*out, formats.quantize(x, rounding=rounding, seed=11))
+    out = tk.quantize_16x16(x.to(DEVICE))
+    assert_same_quantization(*out, formats.quantize(x, block="16x16"))
+    out = tk.quantize_wgrad_operand(x.to(DEVICE), "sr", seed=11)
+    assert_same_quantization(*out, wgrad_reference(x, "sr", seed=11))
+
+
+@pytest.mark.parametrize("fill", [0.0, float("inf"), float("nan")])
+def test_zero_and_non_finite(fill):
+    x = sample((32, 32), torch.bfloat16, seed=9)
+    if fill == 0.0:
+        x.zero_()
+    else:
+        x[5, 7] = fill
+        x[20, 30] = -fill
+    for rounding in ("rne", "sr"):
+        out = tk.quantize_1x16(x.to(DEVICE), rounding, seed=1)
+        assert_same_quantization(*out, formats.quantize(x, rounding=rounding, seed=1))
+        out = tk.quantize_wgrad_operand(x.to(DEVICE), rounding, seed=1)
+        assert_same_quantization(*out, wgrad_reference(x, rounding, seed=1))
+    out = tk.quantize_16x16(x.to(DEVICE))
+    assert_same_quantization(*out, formats.quantize(x, block="16x16"))
+    bd, amax = tk.fake_quantize_1x16(x.to(DEVICE))
+    ref = formats.quantize(x)
+    assert_same_float(bd, formats.block_decode(ref).to(torch.bfloat16))
+    if fill != 0.0:  # NaN/Inf stay visible after quantize -> dequantize
+        assert not torch.isfinite(formats.dequantize(ref)).all()
+
+
+@pytest.mark.parametrize(
+    "given, fill", [(3.5, None), (0.0, None), (float("inf"), None), (2.0, float("nan")), (2.0, float("inf"))]
+)
+def test_given_amax(given, fill):
+    x = sample((32, 48), torch.bfloat16, seed=10)
+    if fill is not None:
+        x[3, 3] = fill
+    amax = torch.tensor(given)
+    out = tk.quantize_1x16(x.to(DEVICE), "sr", seed=2, amax=amax.to(DEVICE))
+    assert_same_quantization(*out, formats.quantize(x, rounding="sr", seed=2, amax=amax))
+    out = tk.quantize_wgrad_operand(x.to(DEVICE), "rne", amax=amax.to(DEVICE))
+    assert_same_quantization(*out, wgrad_reference(x, "rne", amax=amax))
+
+
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_fake_quantize(rounding):
+    x = sample((32, 64), torch.bfloat16, seed=11)
+    bd, amax = tk.fake_quantize_1x16(x.to(DEVICE), rounding, seed=4)
+    ref = formats.quantize(x, rounding=rounding, seed=4)
+    assert_same_float(bd, formats.block_decode(ref).to(torch.bfloat16))
+    assert torch.equal(amax.cpu(), ref.amax)
+    bd, amax = tk.fake_quantize_16x16(x.to(DEVICE))
+    assert_same_float(bd, formats.block_decode(formats.quantize(x, block="16x16")).to(torch.bfloat16))
+    bd, amax = tk.fake_quantize_wgrad_operand(x.to(DEVICE), rounding, seed=4)
+    ref = wgrad_reference(x, rounding, seed=4)
+    assert_same_float(bd, formats.block_decode(ref).to(torch.bfloat16))
+    assert torch.equal(amax.cpu(), ref.amax)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_and_block_decode(dtype):
+    x = special_values(torch.float32)[:48]
+    ref = formats.quantize(x, rounding="sr", seed=3)
+    data, scales = ref.data.view(torch.uint8), ref.scales.view(torch.uint8)
+    out = tk.dequantize(data.to(DEVICE), scales.to(DEVICE), ref.amax.to(DEVICE), dtype)
+    assert_same_float(out, formats.dequantize(ref, dtype))
+    out = tk.dequantize(data.to(DEVICE), formats.swizzle_scales(scales).to(DEVICE), ref.amax.to(DEVICE), dtype, swizzled=True)
+    assert_same_float(out, formats.dequantize(ref, dtype))
+    assert_same_float(tk.block_decode(data.to(DEVICE), scales.to(DEVICE)), formats.block_decode(ref).to(torch.bfloat16))
+
+
+def test_emulated_scaled_mm():
+    a, b = sample((32, 64), torch.bfloat16, seed=12), sample((48, 64), torch.bfloat16, seed=13)
+    a_bd, amax_a = tk.fake_quantize_1x16(a.to(DEVICE))
+    b_bd, amax_b = tk.fake_quantize_16x16(b.to(DEVICE))
+    out = tk.emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b, torch.float32).cpu()
+    qa, qb = formats.quantize(a), formats.quantize(b, block="16x16")
+    expected = formats.dequantize(qa).double() @ formats.dequantize(qb).double().t()
+    assert out.shape == (32, 48)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tk.quantize_1x16(torch.zeros(4, 24, device=DEVICE))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        tk.quantize_wgrad_operand(torch.zeros(24, 16, device=DEVICE))
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        tk.quantize_1x16(torch.zeros(4, 16, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="rounding"):
+        tk.quantize_1x16(torch.zeros(4, 16, device=DEVICE), "stochastic")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU, larger shapes
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_gpu_large(rounding):
+    x = sample((1024, 2048), torch.bfloat16, seed=20, spread=2.0)
+    seed = 0x123456789ABCDEF
+    out = tk.quantize_1x16(x.cuda(), rounding, seed=seed)
+    assert_same_quantization(*out, formats.quantize(x, rounding=rounding, seed=seed))
+    out = tk.quantize_1x16(x.cuda(), rounding, seed=seed, swizzle=True)
+    assert_same_quantization(*out, formats.quantize(x, rounding=rounding, seed=seed), swizzled=True)
+    out = tk.quantize_16x16(x.cuda(), rounding, seed=seed)
+    assert_same_quantization(*out, formats.quantize(x, block="16x16", rounding=rounding, seed=seed))
+    out = tk.quantize_wgrad_operand(x.cuda(), rounding, seed=seed)
+    assert_same_quantization(*out, wgrad_reference(x, rounding, seed=seed))
+    bd, _ = tk.fake_quantize_wgrad_operand(x.cuda(), rounding, seed=seed)
+    assert_same_float(bd, formats.block_decode(wgrad_reference(x, rounding, seed=seed)).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_special_values(dtype):
+    x = special_values(dtype).repeat(4, 8)
+    for rounding in ("rne", "sr"):
+        out = tk.quantize_1x16(x.cuda(), rounding, seed=77)
+        assert_same_quantization(*out, formats.quantize(x, rounding=rounding, seed=77))
+        out = tk.quantize_wgrad_operand(x.cuda(), rounding, seed=77)
+        assert_same_quantization(*out, wgrad_reference(x, rounding, seed=77))
+    data, scales, amax = tk.quantize_1x16(x.cuda())
+    ref = formats.quantize(x)
+    assert_same_float(tk.dequantize(data, scales, amax), formats.dequantize(ref))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_given_amax_non_finite():
+    x = sample((256, 512), torch.bfloat16, seed=21)
+    x[100, 200] = float("inf")
+    amax = torch.tensor(5.0)
+    out = tk.quantize_1x16(x.cuda(), "sr", seed=8, amax=amax.cuda())
+    assert_same_quantization(*out, formats.quantize(x, rounding="sr", seed=8, amax=amax))
+    out = tk.quantize_wgrad_operand(x.cuda(), "sr", seed=8, amax=amax.cuda())
+    assert_same_quantization(*out, wgrad_reference(x, "sr", seed=8, amax=amax))
