@@ -29,11 +29,16 @@ class KernelChoice:
     reason: str
 
 
-def _register_quantize_kernels() -> None:
-    """Fused Triton quantizers take NVFP4 quantize calls on CUDA tensors (bit-exact with formats)."""
+def _triton_quantize_provider(x, fmt: str, block: str):
+    """Fused Triton quantizers take NVFP4 quantize calls on CUDA tensors (bit-exact with formats).
+
+    Triton is imported on the first CUDA call only, so importing fp4compile stays light.
+    """
+    if not x.is_cuda:
+        return None
     from . import triton_kernels
 
-    runtime.register_quantize_provider(triton_kernels.quantize_provider)
+    return triton_kernels.quantize_provider(x, fmt, block)
 
 
 def _notice(message: str) -> None:
@@ -55,6 +60,8 @@ def _cutlass_choice(m, n, k, fmt, out_dtype, device):
     ok, why = cutlass_gemm.device_supports_cutlass(device)
     if not ok:
         return None, why
+    if not all(isinstance(d, int) for d in (m, n, k)):
+        return None, f"dynamic GEMM shape ({m}, {n}, {k}): CUTLASS configurations are chosen per static shape"
     config, why = cutlass_gemm.select_config(m, n, k, out_dtype)
     if config is None:
         return None, why
@@ -85,4 +92,4 @@ def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: st
     return ops.scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
 
 
-_register_quantize_kernels()
+runtime.register_quantize_provider(_triton_quantize_provider)

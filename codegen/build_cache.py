@@ -242,7 +242,12 @@ def cached_build(
     if manifest is not None:
         return CacheEntry(entry, manifest, from_cache=True)
 
-    (root / ".locks").mkdir(parents=True, exist_ok=True)
+    try:
+        (root / ".locks").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only or invalid cache location: complete entries were still served above
+        raise KernelBuildError(
+            f"the kernel cache {root} is not writable ({exc}); set {CACHE_ENV} to a writable directory"
+        ) from exc
     lock = filelock.FileLock(str(root / ".locks" / f"{key[:32]}.lock"))
     try:
         lock.acquire(timeout=0)

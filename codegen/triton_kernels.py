@@ -673,19 +673,22 @@ def _quantize_passes(launch, own_amax_bits, amax: Optional[torch.Tensor], device
     return result.reshape(())
 
 
+def _output_buffers(rows, cols, swizzle, fake, device):
+    """(data, scales, block-decoded) buffers of a quantize launch; a fake launch writes only the last."""
+    if fake:
+        bd = torch.empty((rows, cols), dtype=torch.bfloat16, device=device)
+        return bd, bd, bd
+    data = torch.empty((rows, cols // 2), dtype=torch.uint8, device=device)
+    return data, _scales_buffer(rows, cols // 16, swizzle, device), data
+
+
 def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake):
     _require_triton()
     x2 = _as_rows(x, what, tile_rows)
     m, k = x2.shape
     cfg = CONFIGS["quantize_tiles" if tile_rows > 1 else "quantize_rows"]
     seed_lo, seed_hi = _seed_halves(rounding, seed)
-    if fake:
-        bd = torch.empty((m, k), dtype=torch.bfloat16, device=x2.device)
-        data = scales = bd
-    else:
-        data = torch.empty((m, k // 2), dtype=torch.uint8, device=x2.device)
-        scales = _scales_buffer(m, k // 16, swizzle, x2.device)
-        bd = data
+    data, scales, bd = _output_buffers(m, k, swizzle, fake, x2.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
 
     def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
@@ -710,13 +713,7 @@ def _quantize_wgrad(x, rounding, seed, amax, swizzle, fake):
     m, k = x2.shape  # m tokens
     cfg = CONFIGS["rht_quantize"]
     seed_lo, seed_hi = _seed_halves(rounding, seed)
-    if fake:
-        bd = torch.empty((k, m), dtype=torch.bfloat16, device=x2.device)
-        data = scales = bd
-    else:
-        data = torch.empty((k, m // 2), dtype=torch.uint8, device=x2.device)
-        scales = _scales_buffer(k, m // 16, swizzle, x2.device)
-        bd = data
+    data, scales, bd = _output_buffers(k, m, swizzle, fake, x2.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
 
     def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):

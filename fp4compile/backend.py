@@ -4,12 +4,22 @@
 dynamo, runs the dynamo-level passes (GEMM sites, blocks, precision, marking), traces forward and
 backward with aot_autograd, runs the aot-level passes on both graphs (RHT, quantize, lowering to FP4
 GEMMs) and hands the result to the inner compiler (Inductor, or eager for debugging).
+
+Before compiling, the backend checks the GEMM operands' dtypes the way eager PyTorch does (an FP4
+GEMM would otherwise accept an int or mismatched input silently) and places the graph in the model:
+when dynamo compiles a frame inside the model (a graph break in a block makes dynamo run the model's
+loop eagerly and compile each block's forward on its own), GEMM sites are named by their path in the
+compiled model and numbered among all of its blocks, and each block instance that reuses the compiled
+frame runs its own compilation (see ``_ModelScope``).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
+import sys
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -17,6 +27,7 @@ import torch.fx as fx
 
 from fp4compile import runtime
 from fp4compile.passes import pipeline
+from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, module_path, parameter_name
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.report import Report
 from fp4compile.sites import CompileContext
@@ -24,7 +35,7 @@ from fp4compile.sites import CompileContext
 log = logging.getLogger("fp4compile")
 
 INNER_COMPILERS = ("inductor", "eager")
-_graph_ids = itertools.count()
+CHECK_FINITE_ENV = "FP4COMPILE_CHECK_FINITE"
 
 
 def _clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -43,6 +54,7 @@ class Backend:
     inner: "inductor" (default) or "eager" — what compiles the rewritten graphs.
     print_ir_after: pass names (or "all") whose output graph is printed while compiling.
     The backend keeps a ``report`` of its compilations (sites, precisions, kernels, graphs).
+    ``FP4COMPILE_CHECK_FINITE=1`` in the environment (read here) turns on ``Recipe.check_finite``.
     """
 
     def __init__(
@@ -56,7 +68,10 @@ class Backend:
         if inner not in INNER_COMPILERS:
             raise ValueError(f"inner must be one of {INNER_COMPILERS}, got {inner!r}")
         recipe = recipe or Recipe()
-        self.recipe = recipe.replace(**recipe_fields) if recipe_fields else recipe
+        recipe = recipe.replace(**recipe_fields) if recipe_fields else recipe
+        if os.environ.get(CHECK_FINITE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off"):
+            recipe = recipe.replace(check_finite=True)
+        self.recipe = recipe
         self.passes = list(passes)
         for p in self.passes:
             if not callable(p):
@@ -66,7 +81,11 @@ class Backend:
         self.report = Report(self.recipe)
         self._step = 0
         self._forced_high_precision = False
+        self._graph_ids = itertools.count()  # graph numbers in this backend's report: 0, 1, ...
         self.inductor_config: dict = {}
+
+    def __repr__(self) -> str:
+        return f"fp4compile.Backend(fmt={self.recipe.fmt!r}, inner={self.inner!r})"
 
     # -- training-time controls ----------------------------------------------------------------
 
@@ -97,14 +116,18 @@ class Backend:
     # -- compilation ---------------------------------------------------------------------------
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
-        graph_id = next(_graph_ids)
+        check_gemm_dtypes(gm)
         original = _clone_graph_module(gm)
-        compiled = self._compile(gm, example_inputs, graph_id)
-        return _SwitchableGraph(self, compiled, original, example_inputs, graph_id)
+        scope = _ModelScope.find(gm, example_inputs)
+        return _SwitchableGraph(self, original, example_inputs, scope)
 
-    def _compile(self, gm: fx.GraphModule, example_inputs, graph_id: int, high_precision: bool = False):
+    def _compile(
+        self, gm: fx.GraphModule, example_inputs, graph_id: int, high_precision: bool = False, model_site_names=None
+    ):
         recipe = self.recipe
         ctx = CompileContext(recipe, graph_id, record=None)
+        if model_site_names:
+            ctx.model_site_names = model_site_names
         if high_precision:
             user_passes = [_all_high_precision]
         else:
@@ -159,28 +182,233 @@ class _SwitchableGraph:
     """The callable dynamo runs: the FP4 compilation, or after the switch the high-precision one.
 
     Each training call (grad enabled) advances the stochastic-rounding stream, so every step's
-    backward draws fresh bits and a rerun from the same state draws the same ones.
+    backward draws fresh bits and a rerun from the same state draws the same ones. Compilations are
+    cached by (model scope, high precision): the switch to high precision recompiles each graph once,
+    and a frame compiled inside the model compiles once per block instance that runs it.
     """
 
-    def __init__(self, backend: Backend, compiled, original: fx.GraphModule, example_inputs, graph_id: int):
+    def __init__(self, backend: Backend, original: fx.GraphModule, example_inputs, scope: Optional["_ModelScope"]):
         self.backend = backend
-        self.compiled = compiled
         self.original = original
         self.example_inputs = example_inputs
-        self.graph_id = graph_id
-        self.high_precision_compiled = None
+        self.scope = scope
+        # Later compilations (high precision, other block instances) run outside dynamo's compile
+        # step; they reuse its tracing context so that they trace with the same (symbolic) shapes.
+        self.tracing_context = torch._guards.TracingContext.try_get()
+        self.compiled: dict = {}
+        self.graph_ids: dict[str, int] = {}  # one graph id per block instance; recompiles keep it
+        prefix = scope.prefix if scope is not None else ""
+        self._compiled(prefix, False)
+        self.graph_id = self.graph_ids[prefix]
+
+    def _compiled(self, prefix: str, high_precision: bool):
+        key = (prefix, high_precision)
+        if key not in self.compiled:
+            if prefix not in self.graph_ids:
+                self.graph_ids[prefix] = next(self.backend._graph_ids)
+            graph_id = self.graph_ids[prefix]
+            gm = _clone_graph_module(self.original)
+            names = None
+            if self.scope is not None:
+                self.scope.rebase(gm, prefix)
+                names = self.scope.model_site_names()
+            if high_precision:
+                log.info("fp4compile: graph %d: recompiling in high precision", graph_id)
+            with torch._guards.tracing(self.tracing_context):
+                self.compiled[key] = self.backend._compile(gm, self.example_inputs, graph_id, high_precision, names)
+        return self.compiled[key]
 
     def __call__(self, *args):
         if torch.is_grad_enabled():
             runtime.advance()
-        if self.backend.high_precision:
-            if self.high_precision_compiled is None:
-                log.info("fp4compile: graph %d: recompiling in high precision", self.graph_id)
-                self.high_precision_compiled = self.backend._compile(
-                    _clone_graph_module(self.original), self.example_inputs, self.graph_id, high_precision=True
-                )
-            return self.high_precision_compiled(*args)
-        return self.compiled(*args)
+        runtime.set_backend_step(self.backend._step)
+        prefix = self.scope.prefix_of(args) if self.scope is not None else ""
+        return self._compiled(prefix, self.backend.high_precision)(*args)
+
+
+class _ModelScope:
+    """Where a compiled frame sits in the model, for frames dynamo compiles inside the model.
+
+    A graph break inside a block (under the model's loop over its blocks) makes dynamo run the model's
+    forward eagerly and compile each block's ``forward`` as a frame of its own; that frame's module
+    paths start at the block (``mlp.fc``), and dynamo reuses its compiled code for every block of the
+    same class. The scope finds the compiled model on the Python stack (the module under
+    ``torch.compile``, or the outermost module holding the frame's parameters), so that sites are named
+    by their full path (``blocks.3.mlp.fc``) and numbered among all of the model's blocks, and it tells
+    from the parameters a call receives which block instance runs, so that each instance gets its own
+    precision plan and SR seeds. Frames of the compiled model itself have no scope.
+    """
+
+    def __init__(self, root: torch.nn.Module, params: list):
+        self.root = weakref.ref(root)
+        self.params = params  # [(argument position, path relative to the frame's module)]
+        self.prefix = ""  # the instance that was compiled first
+        self._names: dict[int, str] = {}
+        self._prefixes: dict[int, tuple] = {}  # id(parameter) -> (weakref to it, prefix)
+        self._index_root()
+
+    @classmethod
+    def find(cls, gm: fx.GraphModule, example_inputs) -> Optional["_ModelScope"]:
+        params = []
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for position, (node, value) in enumerate(zip(placeholders, example_inputs)):
+            name = parameter_name(node, gm) if isinstance(value, torch.nn.Parameter) else None
+            if name is not None and _source_name(node).startswith("L["):  # reached from the frame's locals
+                params.append((position, name, value))
+        if not params:
+            return None
+        root = _compiled_model({id(p) for _, _, p in params})
+        if root is None:
+            return None
+        scope = cls(root, [(position, name) for position, name, _ in params])
+        position, name, _ = params[0]
+        prefix = scope._prefix(id(example_inputs[position]), name)
+        if not prefix:
+            return None
+        scope.prefix = prefix
+        return scope
+
+    def _index_root(self) -> None:
+        root = self.root()
+        self._names, self._prefixes = {}, {}
+        if root is not None:
+            for name, p in root.named_parameters(remove_duplicate=False):
+                self._names.setdefault(id(p), name)
+
+    def _prefix(self, param_id: int, relative: str) -> Optional[str]:
+        full = self._names.get(param_id)
+        if full is None or not (full == relative or full.endswith("." + relative)):
+            return None
+        return full[: len(full) - len(relative)]
+
+    def prefix_of(self, args) -> str:
+        """The module path prefix (``blocks.3.``) of the block instance whose parameters ``args`` holds."""
+        position, relative = self.params[0]
+        param = args[position]
+        cached = self._prefixes.get(id(param))
+        if cached is not None and cached[0]() is param:
+            return cached[1]
+        prefix = self._prefix(id(param), relative)
+        if prefix is None:
+            self._index_root()  # parameters replaced since (e.g. a module swapped in)
+            prefix = self._prefix(id(param), relative)
+        prefix = self.prefix if prefix is None else prefix
+        self._prefixes[id(param)] = (weakref.ref(param), prefix)
+        return prefix
+
+    def model_site_names(self) -> list[str]:
+        """Module paths of the compiled model's linear layers: the sites ``find_blocks`` numbers blocks by."""
+        root = self.root()
+        if root is None:
+            return []
+        return [name for name, m in root.named_modules() if isinstance(m, torch.nn.Linear)]
+
+    def rebase(self, gm: fx.GraphModule, prefix: str) -> None:
+        """Make the module paths of ``gm`` (a clone) start at the compiled model: ``prefix`` + path."""
+        root = self.root()
+        parts = prefix.rstrip(".").split(".")
+        ancestors = {}
+        qualified = "L['self']"
+        module = root
+        for i, part in enumerate(parts):
+            qualified += f"._modules['{part}']"
+            module = module.get_submodule(part) if module is not None else None
+            ancestors[f"fp4_scope_{i}"] = (qualified, type(module) if module is not None else torch.nn.Module)
+        for node in gm.graph.nodes:
+            stack = node.meta.get("nn_module_stack")
+            if not stack:
+                continue
+            rebased = dict(ancestors)
+            for key, (path, cls) in stack.items():
+                relative = module_path(path)
+                rebased[key] = (qualified + "".join(f"._modules['{p}']" for p in relative.split(".") if p), cls)
+            node.meta["nn_module_stack"] = rebased
+
+
+def _source_name(node: fx.Node) -> str:
+    name = node.meta["grapharg"].source.name
+    return name() if callable(name) else name
+
+
+def _compiled_model(param_ids: set) -> Optional[torch.nn.Module]:
+    """The model being run, from the Python stack: the module given to ``torch.compile`` (inside an
+    ``OptimizedModule``), else the outermost module on the stack that holds every parameter."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    found = None
+    frame = sys._getframe(1)
+    seen = set()
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        frame = frame.f_back
+        if not isinstance(owner, torch.nn.Module) or id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        compiled = isinstance(owner, OptimizedModule)
+        module = owner._orig_mod if compiled else owner
+        if param_ids <= {id(p) for p in module.parameters()}:
+            if compiled:
+                return module
+            found = module
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Operand dtypes: what eager PyTorch rejects, the compiled model rejects too
+# ---------------------------------------------------------------------------------------------
+
+_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+
+
+def _example(node) -> Optional[torch.Tensor]:
+    if not isinstance(node, fx.Node):
+        return None
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def check_gemm_dtypes(gm: fx.GraphModule) -> None:
+    """Raise the error eager PyTorch raises for a GEMM site whose operand dtypes it rejects.
+
+    An FP4 GEMM casts its operands, so an int input or a bf16 input to an fp32 layer outside autocast
+    would run silently. For each linear/matmul whose tensor operands do not share one dtype, the same
+    call is made on 1-element tensors of those dtypes, under the autocast state of that point of the
+    graph (the caller's, plus the ``with torch.autocast`` regions inside the graph), and its error is
+    raised with the site named.
+    """
+    regions = []  # autocast regions of the graph entered so far, innermost last
+    try:
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is _ENTER_AUTOCAST:
+                device, dtype, enabled = node.args[:3]
+                regions.append(torch.autocast(device, dtype, enabled))
+                regions[-1].__enter__()
+                continue
+            if node.target is _EXIT_AUTOCAST:
+                regions.pop().__exit__(None, None, None)
+                continue
+            if node.target not in LINEAR_TARGETS and node.target not in MATMUL_TARGETS:
+                continue
+            operands = [_example(a) for a in (*node.args, *node.kwargs.values())]
+            operands = [t for t in operands if t is not None]
+            if len(operands) < 2 or len({t.dtype for t in operands}) == 1:
+                continue
+            # x and W as 1x1 matrices, a bias as a 1-vector: the smallest call eager checks the same way.
+            tiny = [torch.zeros((1, 1) if i < 2 else (1,), dtype=t.dtype, device=t.device)
+                    for i, t in enumerate(operands)]
+            try:
+                node.target(*tiny)
+            except Exception as exc:
+                path = next(reversed(node.meta.get("nn_module_stack", {}).values()), (node.name,))[0]
+                where = module_path(path) or node.name
+                exc.add_note(f"fp4compile: raised for the GEMM at {where}, as eager PyTorch does")
+                raise
+    finally:
+        for region in reversed(regions):
+            region.__exit__(None, None, None)
 
 
 _backends: dict[str, Backend] = {}

@@ -72,7 +72,7 @@ def quantize(
     """-> (packed codes uint8 [M, K/2], block scales uint8 [M, K/block], amax fp32 0-dim).
 
     With ``rounding == "sr"`` the random stream is ``runtime.sr_seed(seed)``: the graph's constant mixed
-    with the SR state, which advances after every backward pass. A non-empty ``check`` names the
+    with the SR state, which advances on every compiled call made with gradients enabled. A non-empty ``check`` names the
     operand ("layer role operand"): non-finite input then raises ``FloatingPointError``.
     """
     kernel = runtime.quantize_kernel(x, fmt, block)

@@ -2,9 +2,13 @@
 
 The SR stream is counter based: a quantize node carries a constant seed (mixed from the recipe seed,
 the GEMM site, its role and operand) and combines it at run time with the SR state (base seed, step).
-The step advances after each compiled backward pass, so every training step draws fresh bits while
-two runs started from the same state produce the same bits. ``get_rng_state``/``set_rng_state`` let a
+The step advances on every call of a compiled graph with gradients enabled (before its forward runs,
+so that call's backward draws with the same step), so every training step draws fresh bits while two
+runs started from the same state produce the same bits. ``get_rng_state``/``set_rng_state`` let a
 checkpoint resume the stream exactly.
+
+The runtime also knows the backend step of the running graph (``Backend.step``), so that the
+non-finite error of ``Recipe(check_finite=True)`` can say when it happened.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 _MASK64 = (1 << 64) - 1
 _lock = threading.Lock()
 _state = {"seed": 0, "step": 0}
+_backend_step = {"step": 0}
 
 
 def _mix64(x: int) -> int:
@@ -53,9 +58,14 @@ def set_rng_state(state: dict) -> None:
 
 
 def advance() -> None:
-    """Called after every compiled backward pass."""
+    """Called on every call of a compiled graph with gradients enabled, before its forward runs."""
     with _lock:
         _state["step"] += 1
+
+
+def set_backend_step(step: int) -> None:
+    """The ``Backend.step`` count of the graph about to run (named by the non-finite error)."""
+    _backend_step["step"] = int(step)
 
 
 def sr_seed(node_constant: int) -> int:
@@ -82,12 +92,17 @@ def quantize_kernel(x: torch.Tensor, fmt: str, block: str) -> Optional[Callable]
 
 
 def raise_non_finite(label: str, x: torch.Tensor) -> None:
-    """The error ``Recipe(check_finite=True)`` raises: names layer, GEMM role, operand and step."""
+    """The error ``Recipe(check_finite=True)`` raises: names layer, GEMM role, operand and step.
+
+    ``step`` is the backend's step count (``Backend.step``, the optimizer steps the training loop
+    reports); the SR stream step (compiled training calls so far) is given too, for runs that do not
+    call ``Backend.step``.
+    """
     n_nan = int(torch.isnan(x).sum())
     n_inf = int(torch.isinf(x).sum())
     with _lock:
-        step = _state["step"]
+        sr_step = _state["step"]
     raise FloatingPointError(
         f"fp4compile: non-finite values in {label} (shape {tuple(x.shape)}, {n_nan} NaN, {n_inf} Inf) "
-        f"at step {step}"
+        f"at step {_backend_step['step']} (SR stream step {sr_step})"
     )

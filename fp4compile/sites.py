@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 from typing import Optional
 
@@ -30,11 +31,14 @@ class RoleInfo:
     blocks: tuple = ()  # (operand A block, operand B block)
 
     @property
-    def flops(self) -> int:
+    def flops(self) -> Optional[int]:
+        """2*M*N*K; None while a dim is symbolic (dynamic shapes record it as text)."""
         if not self.shape:
             return 0
+        if not all(isinstance(d, int) for d in self.shape):
+            return None
         m, n, k = self.shape
-        return 2 * int(m) * int(n) * int(k)
+        return 2 * m * n * k
 
 
 @dataclasses.dataclass
@@ -74,11 +78,12 @@ class GemmSite:
         return self.precision != HIGH
 
     @property
-    def tokens(self) -> int:
-        n = 1
-        for d in self.input_shape[:-1]:
-            n *= int(d)
-        return n
+    def tokens(self):
+        """Rows the GEMM reads; text such as "s0*s1" when a dim is symbolic (int() would add a shape guard)."""
+        dims = self.input_shape[:-1]
+        if all(isinstance(d, int) for d in dims):
+            return math.prod(dims)
+        return "*".join(str(d) for d in dims)
 
 
 @dataclasses.dataclass
@@ -106,6 +111,8 @@ class CompileContext:
         self.final_graphs: dict[str, torch.fx.Graph] = {}  # stage -> graph after the latest pass
         self._record = record
         self.fallbacks: list[str] = []
+        self.module_types: dict[str, str] = {}  # module path -> class name (find_gemm_sites)
+        self.other_gemms: list = []  # matrix products that are not GEMM sites (find_gemm_sites)
 
     def site(self, index: int) -> GemmSite:
         return self.sites[index]

@@ -2,15 +2,30 @@
 
 Requires: a torch-level FX graph from dynamo (parameters as placeholders or get_attr nodes,
 ``nn_module_stack`` metadata on call nodes).
-Guarantees: ``ctx.sites`` lists one ``GemmSite`` per linear call (``F.linear``) and per matmul with a 2-D
-parameter operand, in graph order; each such node has ``node.meta["fp4_site"]`` = the site index and a
-normalised module path. Block membership is left to ``find_blocks``.
+Guarantees: ``ctx.sites`` lists one ``GemmSite`` per GEMM that ``fp4.linear`` can compute, in graph order:
+
+- ``linear``: ``F.linear(x, W, b)`` (``nn.Linear``);
+- ``matmul``: ``x @ B`` / ``torch.matmul`` / ``torch.mm`` whose 2-D right operand ``B`` [in, out] reads a
+  parameter, directly or through a transpose or a cast (``x @ W``, ``x @ W.T``, ``x @ W.to(dtype)``);
+- ``addmm``: ``torch.addmm(b, x, W)`` with a 2-D ``x``, such a ``W`` [in, out] and a bias ``b`` [out], at
+  ``beta = alpha = 1`` (Hugging Face's ``Conv1D``, used by GPT-2, is ``addmm(bias, x, weight)``).
+
+Each site's node has ``node.meta["fp4_site"]`` = the site index. Site names are module paths relative
+to the compiled model (a matmul's parameter path unless it is its module's ``weight``). Block membership
+is left to ``find_blocks``.
+
+Products without a parameter operand (attention scores and values, SDPA, SSM scans written with
+``einsum``/``bmm``) and batched parameters (``bmm``/``baddbmm``/grouped GEMMs with a 3-D weight, such as
+stacked MoE experts) are not sites: they run in high precision, as the model wrote them. They are listed in
+``ctx.other_gemms`` (``OtherGemm``: op, module path, operand shapes, why not a site) for reports.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import re
+from typing import Optional
 
 import torch
 import torch.fx as fx
@@ -19,28 +34,108 @@ from fp4compile.sites import CompileContext, GemmSite, RoleInfo
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 MATMUL_TARGETS = (operator.matmul, torch.matmul, torch.mm)
+ADDMM_TARGETS = (torch.addmm,)
+# Products that are not sites are recorded in ctx.other_gemms (function targets and tensor methods).
+PRODUCT_FUNCTIONS = {
+    operator.matmul: "matmul",
+    torch.matmul: "matmul",
+    torch.mm: "mm",
+    torch.bmm: "bmm",
+    torch.addmm: "addmm",
+    torch.baddbmm: "baddbmm",
+    torch.einsum: "einsum",
+    torch.nn.functional.scaled_dot_product_attention: "scaled_dot_product_attention",
+    torch._C._nn.scaled_dot_product_attention: "scaled_dot_product_attention",
+}
+PRODUCT_METHODS = ("matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__")
+# Reads of a parameter that keep its values: a matmul operand made by these still is the parameter.
+_PARAMETER_VIEW_METHODS = (
+    "t", "transpose", "permute", "to", "type", "type_as", "contiguous", "float", "half", "bfloat16",
+)
+_PARAMETER_VIEW_FUNCTIONS = (torch.t, torch.transpose, torch.permute)
+_PARAMETER_VIEW_ATTRIBUTES = ("T", "mT")
 
-_ROOT = re.compile(r"^L\['[^']*'\]\.?")
+_LOCAL_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\[[^\]]*\])*")
 _MODULES = re.compile(r"\._modules\['([^']*)'\]|\._parameters\['([^']*)'\]|\[(\d+)\]|\['([^']*)'\]")
 
 
-def module_path(qualified: str) -> str:
-    """Dynamo's ``L['self'].blocks[0].attn`` or ``L['self']._modules['blocks']...`` -> ``blocks.0.attn``."""
-    path = _ROOT.sub("", qualified)
+@dataclasses.dataclass
+class OtherGemm:
+    """A matrix product of the graph that is not a GEMM site: it runs in high precision."""
+
+    node_name: str
+    op: str
+    module: str  # path of the module that computes it ("" at the top level)
+    shapes: tuple  # operand shapes
+    reason: str
+
+    @property
+    def activation_matmul(self) -> bool:
+        """A 2-D or 3-D ``matmul``/``mm``/``bmm`` of two activations (no parameter operand).
+
+        These are the products an FP4 path for activation GEMMs would take (attention written with
+        ``bmm``); 4-D attention products, ``einsum`` and SDPA are not.
+        """
+        return (
+            self.reason == "no parameter operand"
+            and self.op in ("matmul", "__matmul__", "mm", "bmm")
+            and len(self.shapes) == 2
+            and len(self.shapes[0]) == len(self.shapes[1]) in (2, 3)
+        )
+
+
+def source_root(qualified: str) -> str:
+    """The frame-local object a dynamo source starts from: ``L['args'][0]`` of ``L['args'][0].model``."""
+    match = _LOCAL_ROOT.match(qualified)
+    return match.group(0) if match else ""
+
+
+def module_path(qualified: str, root: Optional[str] = None) -> str:
+    """Dynamo's ``L['self'].blocks.0.attn`` or ``L['self']._modules['blocks']...`` -> ``blocks.0.attn``.
+
+    ``root`` is the compiled model's source (``graph_root``); without it only the frame local
+    (``L['self']``) is dropped, so that objects reached through ``L['models'][0]`` and ``L['models'][1]``
+    keep distinct paths (``0.fc``, ``1.fc``).
+    """
+    if root and qualified.startswith(root):
+        path = qualified[len(root):]
+    else:
+        path = re.sub(r"^[LG]\['[^']*'\]", "", qualified)
     path = _MODULES.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
     return path.strip(".")
 
 
-def _stack(node: fx.Node) -> list[tuple[str, str]]:
+def _source_name(grapharg) -> str:
+    name = grapharg.source.name
+    return name() if callable(name) else name
+
+
+def graph_root(gm: fx.GraphModule) -> Optional[str]:
+    """The source of the one model the graph reads modules and parameters from, or None.
+
+    A model whose forward is wrapped by a decorator (Hugging Face models) is reached as
+    ``L['args'][0]``, a module compiled directly as ``L['self']``.
+    """
+    roots = set()
+    for node in gm.graph.nodes:
+        for qualified, _ in (node.meta.get("nn_module_stack") or {}).values():
+            roots.add(source_root(qualified))
+        grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
+        if grapharg is not None and "._parameters[" in _source_name(grapharg):
+            roots.add(source_root(_source_name(grapharg)))
+    return roots.pop() if len(roots) == 1 else None
+
+
+def _stack(node: fx.Node, root: Optional[str] = None) -> list[tuple[str, str]]:
     """[(module path, class name)] from the root's child down to the module that made ``node``."""
     out = []
     for qualified, cls in (node.meta.get("nn_module_stack") or {}).values():
         name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
-        out.append((module_path(qualified), name.rsplit(".", 1)[-1]))
+        out.append((module_path(qualified, root), name.rsplit(".", 1)[-1]))
     return [(p, c) for p, c in out if p]
 
 
-def parameter_name(node: fx.Node, gm: fx.GraphModule):
+def parameter_name(node: fx.Node, gm: fx.GraphModule, root: Optional[str] = None):
     """The parameter's dotted path if ``node`` is a parameter of the model, else None."""
     if node.op == "get_attr":
         try:
@@ -52,24 +147,94 @@ def parameter_name(node: fx.Node, gm: fx.GraphModule):
         return None
     grapharg = node.meta.get("grapharg")
     if grapharg is not None:
-        source = grapharg.source.name if not callable(grapharg.source.name) else grapharg.source.name()
+        source = _source_name(grapharg)
         if isinstance(grapharg.example, torch.nn.Parameter) or "_parameters[" in source:
-            return module_path(source)
+            return module_path(source, root)
         return None
     # Without dynamo's GraphArg (it is not always attached): the fake value remembers it was a
     # Parameter, the owning module comes from the module stack, the name from the placeholder.
     if not isinstance(node.meta.get("example_value"), torch.nn.Parameter):
         return None
     name = str(node.target).rsplit("_parameters_", 1)[-1].rstrip("_")
-    stack = _stack(node)
+    stack = _stack(node, root)
     return f"{stack[-1][0]}.{name}" if stack else name
+
+
+def _reads_parameter(node, gm: fx.GraphModule, root: Optional[str]) -> Optional[str]:
+    """The parameter ``node`` is, through transposes and casts (``W``, ``W.t()``, ``W.T``, ``W.to(bf16)``)."""
+    while isinstance(node, fx.Node):
+        name = parameter_name(node, gm, root)
+        if name is not None:
+            return name
+        is_view = (
+            (node.op == "call_method" and node.target in _PARAMETER_VIEW_METHODS)
+            or (node.op == "call_function" and node.target in _PARAMETER_VIEW_FUNCTIONS)
+            or (node.op == "call_function" and node.target is getattr and node.args[1] in _PARAMETER_VIEW_ATTRIBUTES)
+        )
+        if not is_view or not node.args:
+            return None
+        node = node.args[0]
+    return None
 
 
 def _shape(node) -> tuple:
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
     if value is None and isinstance(node, fx.Node):
         value = node.meta.get("val")
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+    if not isinstance(value, torch.Tensor):
+        return ()
+    return tuple(d if isinstance(d, int) else str(d) for d in value.shape)
+
+
+def _site_operands(node: fx.Node, gm: fx.GraphModule, root: Optional[str]):
+    """(kind, x, weight operand, has bias, parameter path) when ``fp4.linear`` can compute ``node``."""
+    if node.op != "call_function":
+        return None
+    args, kwargs = node.args, node.kwargs
+    if node.target in LINEAR_TARGETS:
+        x, weight = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        if len(_shape(weight)) != 2:
+            return None
+        pname = parameter_name(weight, gm, root) if isinstance(weight, fx.Node) else None
+        return "linear", x, weight, bias is not None, pname
+    if node.target in MATMUL_TARGETS and len(args) == 2 and not kwargs:
+        x, weight = args
+        pname = _reads_parameter(weight, gm, root)
+        if pname is None or len(_shape(weight)) != 2 or len(_shape(x)) < 1:
+            return None
+        return "matmul", x, weight, False, pname
+    if node.target in ADDMM_TARGETS and len(args) == 3 and all(kwargs.get(k, 1) == 1 for k in ("beta", "alpha")):
+        bias, x, weight = args
+        pname = _reads_parameter(weight, gm, root)
+        wshape = _shape(weight)
+        if set(kwargs) - {"beta", "alpha"} or pname is None or len(wshape) != 2:
+            return None
+        if len(_shape(x)) != 2 or _shape(bias) != wshape[1:]:
+            return None
+        return "addmm", x, weight, True, pname
+    return None
+
+
+def _other_gemm(node: fx.Node, gm: fx.GraphModule, root: Optional[str], stack) -> Optional[OtherGemm]:
+    """``node`` as an ``OtherGemm`` if it is a matrix product (that is not a site), else None."""
+    if node.op == "call_function" and node.target in PRODUCT_FUNCTIONS:
+        op = PRODUCT_FUNCTIONS[node.target]
+    elif node.op == "call_function" and "grouped_mm" in str(getattr(node.target, "__name__", "")):
+        op = "grouped_mm"  # MoE experts: torch._grouped_mm, or a library's fallback op
+    elif node.op == "call_method" and node.target in PRODUCT_METHODS:
+        op = node.target
+    else:
+        return None
+    operands = [a for a in node.args if isinstance(a, fx.Node)]
+    if not any(_reads_parameter(a, gm, root) for a in operands):
+        reason = "no parameter operand"
+    elif node.op == "call_method":
+        reason = "tensor method call"
+    else:
+        reason = "parameter operand in a form fp4.linear does not take"
+    module = stack[-1][0] if stack else ""
+    return OtherGemm(node.name, op, module, tuple(_shape(a) for a in operands), reason)
 
 
 def _expected_roles(site: GemmSite, weight) -> None:
@@ -85,31 +250,31 @@ def _expected_roles(site: GemmSite, weight) -> None:
 
 def find_gemm_sites(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     ctx.module_types = {}
+    ctx.other_gemms = []
+    root = graph_root(gm)
     for node in gm.graph.nodes:
-        if node.op != "call_function":
+        if node.op not in ("call_function", "call_method"):
             continue
-        stack = _stack(node)
+        stack = _stack(node, root)
         for path, cls in stack:
             ctx.module_types.setdefault(path, cls)
-        if node.target in LINEAR_TARGETS:
-            x, weight = node.args[0], node.args[1]
-            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            wshape = _shape(weight)
-            if len(wshape) != 2:
-                continue
-            name = stack[-1][0] if stack else (parameter_name(weight, gm) or node.name).rsplit(".", 1)[0]
-            kind, out_f, in_f, has_bias = "linear", wshape[0], wshape[1], bias is not None
-            module_type = stack[-1][1] if stack else "Linear"
-        elif node.target in MATMUL_TARGETS and len(node.args) == 2:
-            x, weight = node.args
-            pname = parameter_name(weight, gm) if isinstance(weight, fx.Node) else None
-            wshape = _shape(weight)
-            if pname is None or len(wshape) != 2 or len(_shape(x)) < 1:
-                continue
-            name, kind, module_type = pname, "matmul", "Parameter"
-            in_f, out_f, has_bias = wshape[0], wshape[1], False
-        else:
+        match = _site_operands(node, gm, root)
+        if match is None:
+            other = _other_gemm(node, gm, root, stack)
+            if other is not None:
+                ctx.other_gemms.append(other)
             continue
+        kind, x, weight, has_bias, pname = match
+        wshape = _shape(weight)
+        module, module_type = stack[-1] if stack else ("", "Linear")
+        if kind == "linear":
+            name = module or (pname or node.name).rsplit(".", 1)[0]
+            out_f, in_f = wshape
+        else:
+            # A module's own ``weight`` (Conv1D, custom linear layers) is named like a linear layer.
+            name = module if module and pname == f"{module}.weight" else pname
+            module_type = module_type if name == module else "Parameter"
+            in_f, out_f = wshape
         site = GemmSite(
             index=len(ctx.sites),
             name=name,
@@ -126,5 +291,8 @@ def find_gemm_sites(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         _expected_roles(site, weight)
         node.meta["fp4_site"] = site.index
         ctx.sites.append(site)
-    ctx.note(f"graph {ctx.graph_id}: found {len(ctx.sites)} GEMM sites")
+    ctx.note(
+        f"graph {ctx.graph_id}: found {len(ctx.sites)} GEMM sites; "
+        f"{len(ctx.other_gemms)} other matrix products stay in high precision"
+    )
     return gm

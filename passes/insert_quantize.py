@@ -5,7 +5,9 @@ Guarantees: each low-precision ``fp4.gemm`` reads ``fp4.dequantize(fp4.quantize(
 operands, with the blocks and rounding of its plan (the graph stays runnable: this is the
 quantize-dequantize form the lowering pattern-matches). SR quantize nodes carry a seed constant unique
 to (recipe seed, site name, role, operand). With ``Recipe(check_finite=True)`` each quantize names its
-operand for the non-finite error.
+layer, GEMM role and operand for the non-finite error. An operand declared sharded across a process
+group (``fp4compile.distributed``) is quantized by ``fp4.quantize_sharded``, with the global amax
+all-reduced (MAX) over that group, so each rank's shard gets the codes and scales of the full tensor.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ import zlib
 import torch
 import torch.fx as fx
 
-from fp4compile import runtime
+from fp4compile import distributed, runtime
 from fp4compile.sites import CompileContext
 
 from .plan_gemm_roles import gemm_nodes
 
 QUANTIZE = torch.ops.fp4.quantize.default
+QUANTIZE_SHARDED = torch.ops.fp4.quantize_sharded.default
 DEQUANTIZE = torch.ops.fp4.dequantize.default
 
 OPERAND_NAMES = {"fprop": ("X", "W"), "dgrad": ("dY", "W^T"), "wgrad": ("dY^T", "X^T")}
+# The model tensor each operand is made of (what ``fp4compile.distributed`` declares sharded).
+OPERAND_TENSORS = {"fprop": ("X", "W"), "dgrad": ("dY", "W"), "wgrad": ("dY", "X")}
 
 
 def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -40,13 +45,23 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             operand = node.args[i]
             block, rounding = info.blocks[i], info.rounding[i]
             seed = runtime.node_seed(recipe.seed, zlib.crc32(site.name.encode()), info.role, i)
-            label = f"{site.name} {info.role} {OPERAND_NAMES[info.role][i]}" if recipe.check_finite else ""
+            operand_name = OPERAND_NAMES[info.role][i]
+            label = f"layer {site.name!r} {info.role} operand {operand_name}" if recipe.check_finite else ""
+            args = (operand, info.precision, block, rounding, seed, label)
+            tensor = OPERAND_TENSORS[info.role][i]
+            group = distributed.group_key(site.name, tensor) if info.precision == "nvfp4" else None
             val = operand.meta["val"]
             with gm.graph.inserting_before(node):
-                q = gm.graph.call_function(QUANTIZE, (operand, info.precision, block, rounding, seed, label))
+                if group is None:
+                    q = gm.graph.call_function(QUANTIZE, args)
+                else:
+                    q = gm.graph.call_function(QUANTIZE_SHARDED, (*args, group))
                 parts = [gm.graph.call_function(operator.getitem, (q, j)) for j in range(3)]
                 dq = gm.graph.call_function(DEQUANTIZE, (*parts, info.precision, block, torch.float32))
-            q.meta["fp4_quantize"] = {"site": site.name, "role": info.role, "operand": OPERAND_NAMES[info.role][i], "block": block, "rounding": rounding}
+            q.meta["fp4_quantize"] = {
+                "site": site.name, "role": info.role, "operand": operand_name, "block": block, "rounding": rounding,
+                "amax_group": group,
+            }
             parts_val = _fake_outputs(val, info.precision, block)
             q.meta["val"] = parts_val
             for j, p in enumerate(parts):

@@ -3,7 +3,8 @@
 Requires: ``assign_precision`` (and any user precision passes).
 Guarantees: every site with precision != "high" whose feature dims fit the format's blocks is computed
 by ``fp4compile.ops.linear``, whose autograd emits three ``fp4.gemm`` nodes tagged fprop/dgrad/wgrad
-once aot_autograd traces the graph; a matmul ``x @ W`` becomes ``fp4.linear(x, W.t(), None)``.
+once aot_autograd traces the graph; a matmul ``x @ W`` becomes ``fp4.linear(x, W.t(), None)`` and an
+``addmm(b, x, W)`` (GPT-2's Conv1D) ``fp4.linear(x, W.t(), b)``.
 Sites whose in/out features are not multiples of the block size stay as they are, set to "high" with
 the reason recorded. High-precision sites are not touched: they compute exactly what the model wrote.
 """
@@ -38,10 +39,9 @@ def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             if site.kind == "linear":
                 x, weight = node.args[0], node.args[1]
                 bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            else:
-                x, param = node.args
+            else:  # matmul x @ B, or addmm(b, x, B): B is [in, out]
+                bias, x, param = node.args[:3] if site.kind == "addmm" else (None, *node.args[:2])
                 weight = gm.graph.call_function(torch.t, (param,))
-                bias = None
             new = gm.graph.call_function(ops.linear, (x, weight, bias, index))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)

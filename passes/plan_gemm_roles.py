@@ -5,19 +5,34 @@ Requires: an aot_autograd forward or backward graph holding ``fp4.gemm(a, b, rol
 Guarantees: for each such node ``site.roles[role]`` is a ``RoleInfo`` with the (M, N, K) shape and either
 a low precision with operand blocks and rounding (fprop: X 1x16 RNE, W 16x16 RNE; dgrad: dY 1x16 SR, W
 as fprop; wgrad: dY^T 1x16 SR, X^T 1x16 RNE, RHT on both) or "high" with the reason: the recipe
-quantizes the forward only, the reduction dim is not a multiple of the block size, or it is dynamic.
-``node.meta["fp4_role"]`` holds the same RoleInfo.
+quantizes the forward only, or the reduction dim of fprop/dgrad (a feature dim) is dynamic or not a
+multiple of the block size. ``node.meta["fp4_role"]`` holds the same RoleInfo. In a backward graph,
+the dgrad/wgrad roles an FP4 site does not compute (frozen weight, input without gradient) are
+removed from ``site.roles``.
+
+Token padding: the reduction dim of wgrad is the token count, which a batch or sequence length sets
+(and which is symbolic under ``torch.compile(dynamic=True)``). When it is not known to be a multiple
+of the block size, both wgrad operands are zero-padded along it to the next multiple, at run time
+(``aten.constant_pad_nd`` with the pad computed from the symbolic size, so no shape guard and no
+recompile). Zero tokens add nothing to dW = dY^T X, to any block amax or to the global amax; the RHT
+mixes them into their 16-token chunk, but it is applied to both operands and cancels. So every token
+count gets an FP4 wgrad, with the same bits whether the graph was compiled for a static or a dynamic
+token count.
 """
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext, RoleInfo
 
 GEMM = torch.ops.fp4.gemm.default
+PAD = torch.ops.aten.constant_pad_nd.default
+SYM_SIZE = torch.ops.aten.sym_size.int
 
 
 def gemm_nodes(gm: fx.GraphModule):
@@ -28,24 +43,68 @@ def _static(d):
     return isinstance(d, int) or (hasattr(d, "node") and d.node.is_constant())
 
 
+def _shape_text(dims) -> tuple:
+    """(M, N, K) for the report: ints, or the symbolic expression as text (no shape guard)."""
+    return tuple(int(d) if _static(d) else str(d) for d in dims)
+
+
+def _is_multiple(d, bs: int) -> bool:
+    if _static(d):
+        return int(d) % bs == 0
+    return statically_known_true(d % bs == 0)
+
+
+def _pad_tokens(gm: fx.GraphModule, node: fx.Node, bs: int):
+    """Zero-pad both operands of the wgrad ``node`` along the token (last) dim to a multiple of ``bs``;
+    returns the padded token count (int or SymInt)."""
+    a = node.args[0]
+    k = a.meta["val"].shape[-1]
+    with gm.graph.inserting_before(node):
+        if _static(k):
+            pad = (-int(k)) % bs
+        else:
+            size = gm.graph.call_function(SYM_SIZE, (a, a.meta["val"].dim() - 1))
+            size.meta["val"] = k
+            neg = gm.graph.call_function(operator.neg, (size,))
+            neg.meta["val"] = -k
+            pad = gm.graph.call_function(operator.mod, (neg, bs))
+            pad.meta["val"] = (-k) % bs
+        padded_k = k + (pad.meta["val"] if isinstance(pad, fx.Node) else pad)
+        new_args = list(node.args)
+        for i in (0, 1):
+            operand = node.args[i]
+            val = operand.meta["val"]
+            new = gm.graph.call_function(PAD, (operand, [0, pad], 0.0))
+            new.meta["val"] = val.new_empty((*val.shape[:-1], padded_k))
+            new_args[i] = new
+    node.args = tuple(new_args)
+    return padded_k
+
+
+def _is_backward(gm: fx.GraphModule) -> bool:
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
+
+
 def plan_gemm_roles(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     recipe = ctx.recipe
     bs = recipe.block_size
-    planned = 0
+    planned = padded = 0
+    seen = set()
     for node in gemm_nodes(gm):
         a, b, role, index = node.args[:4]
         site = ctx.sites[index]
+        seen.add((index, role))
         (m, k), (n, _) = a.meta["val"].shape, b.meta["val"].shape
-        info = RoleInfo(role=role, shape=tuple(int(d) if _static(d) else str(d) for d in (m, n, k)))
+        info = RoleInfo(role=role, shape=_shape_text((m, n, k)))
         sr = "sr" if recipe.stochastic_rounding else "rne"
         if not site.is_low_precision:
             info.reason = site.reason
         elif role != "fprop" and not recipe.quantize_backward:
             info.reason = "recipe quantizes the forward GEMMs only"
-        elif not _static(k):
+        elif role != "wgrad" and not _static(k):
             info.reason = f"reduction dim K={k} is dynamic"
             ctx.fallback(site, role, info.reason)
-        elif int(k) % bs:
+        elif role != "wgrad" and int(k) % bs:
             info.reason = f"reduction dim K={int(k)} is not a multiple of the block size {bs}"
             ctx.fallback(site, role, info.reason)
         else:
@@ -59,8 +118,22 @@ def plan_gemm_roles(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             else:
                 info.blocks, info.rounding = (act, act), (sr, "rne")
                 info.rht = recipe.rht
+                if not _is_multiple(k, bs):
+                    padded_k = _pad_tokens(gm, node, bs)
+                    info.shape = _shape_text((m, n, padded_k))
+                    info.reason = f"{site.reason}; {k} tokens zero-padded to a multiple of {bs}"
+                    padded += 1
         site.roles[role] = info
         node.meta["fp4_role"] = info
         planned += 1
-    ctx.note(f"graph {ctx.graph_id}: planned {planned} role-tagged GEMMs")
+    if _is_backward(gm):
+        # Only FP4-marked sites have fp4.gemm nodes; high-precision ones keep the roles they expect.
+        for index, site in enumerate(ctx.sites):
+            for role in ("dgrad", "wgrad"):
+                if site.is_low_precision and (index, role) not in seen:
+                    site.roles.pop(role, None)
+    if padded:
+        gm.graph.lint()
+        gm.recompile()
+    ctx.note(f"graph {ctx.graph_id}: planned {planned} role-tagged GEMMs, padded the tokens of {padded} wgrad GEMMs")
     return gm

@@ -196,15 +196,16 @@ def test_biasless_and_odd_shapes_fall_back_with_reason(caplog):
     assert "blocks.2.1" in caplog.text
 
 
-def test_token_count_not_multiple_of_16_keeps_wgrad_high():
+def test_token_count_not_multiple_of_16_pads_wgrad_tokens():
     model = _gpt(n_layer=4)
     backend = Backend(inner="eager")
     _train_step(model, backend, torch.randint(0, 64, (1, 9)))  # 9 tokens
     site = next(s for s in backend.report.sites if s.name == "blocks.1.mlp.fc")
     assert site.roles["fprop"].precision == "nvfp4"
     assert site.roles["dgrad"].precision == "nvfp4"
-    assert site.roles["wgrad"].precision == "high"
-    assert "K=9" in site.roles["wgrad"].reason
+    wgrad = site.roles["wgrad"]
+    assert wgrad.precision == "nvfp4" and wgrad.shape[2] == 16
+    assert "9 tokens zero-padded to a multiple of 16" in wgrad.reason
 
 
 def test_eval_no_grad_runs_fprop_only():

@@ -574,3 +574,29 @@ def test_binding_compiles_against_torch_headers(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_unwritable_cache_serves_complete_entries_and_reports_missing_ones(tmp_path, monkeypatch):
+    """A read-only cache still serves complete entries; a missing one fails with a KernelBuildError
+    (which the lowering turns into an emulation fallback), never an OSError mid-training."""
+    from fp4compile.codegen import build_cache
+
+    monkeypatch.setenv(build_cache.CACHE_ENV, str(tmp_path / "cache"))
+
+    def produce(out):
+        (out / "artifact.txt").write_text("built")
+        return ["artifact.txt"]
+
+    first = build_cache.cached_build("probe", {"v": 1}, produce, progress=False)
+    assert not first.from_cache
+    real_mkdir = build_cache.Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        raise PermissionError(13, "Read-only file system", str(self))
+
+    monkeypatch.setattr(build_cache.Path, "mkdir", read_only)
+    again = build_cache.cached_build("probe", {"v": 1}, produce, progress=False)
+    assert again.from_cache and again.file("artifact.txt").read_text() == "built"
+    with pytest.raises(build_cache.KernelBuildError, match="not writable.*FP4COMPILE_CACHE_DIR"):
+        build_cache.cached_build("probe", {"v": 2}, produce, progress=False)
+    monkeypatch.setattr(build_cache.Path, "mkdir", real_mkdir)

@@ -1,0 +1,142 @@
+"""Hugging Face transformers models compiled with the backend: precision plan and a few training steps.
+
+Small configs with random weights, on the CPU, nothing downloaded. Hidden sizes are multiples of 32 so
+that every projection qualifies for FP4 (NVFP4 blocks of 16, MXFP4 blocks of 32).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: never reach for the Hub
+
+import pytest
+import torch
+
+import fp4compile
+from fp4compile import Backend
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    fp4compile.manual_seed(0)
+    yield
+    torch._dynamo.reset()
+
+
+def train(model, steps=3, lr=3e-3):
+    """Compile with the backend and take ``steps`` AdamW steps on one batch; -> (backend, losses)."""
+    backend = Backend(inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        loss = compiled(input_ids=idx, labels=idx, use_cache=False).loss
+        opt.zero_grad()
+        loss.backward()
+        for name, p in model.named_parameters():
+            assert p.grad is None or torch.isfinite(p.grad).all(), name
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], losses
+    return backend, losses
+
+
+def check_recipe_plan(backend, layers: str, n: int):
+    """One block per layer, in order; lm_head and the first/last blocks high, the rest NVFP4."""
+    (ctx,) = [c for c in backend.report.contexts if c.sites]  # the graph that holds the GEMMs
+    assert ctx.n_blocks == n
+    assert ctx.block_names == [f"{layers}.{i}" for i in range(n)]
+    first, last = max(1, round(n * 2 / 62)), max(1, round(n * 8 / 62))
+    high_blocks = set(range(first)) | set(range(n - last, n))
+    for s in ctx.sites:
+        if s.name == "lm_head":
+            assert s.block is None and s.precision == "high" and "high_precision_modules" in s.reason
+        elif s.block in high_blocks:
+            assert s.precision == "high" and ("first" in s.reason or "last" in s.reason), s
+        else:
+            assert s.block is not None and s.precision == "nvfp4", s
+            assert s.roles["fprop"].precision == s.roles["dgrad"].precision == s.roles["wgrad"].precision == "nvfp4"
+    # Embedding lookups are not GEMMs; only the (possibly tied) lm_head reads the embedding matrix.
+    assert not any("embed" in s.name or s.name.endswith(("wte", "wpe")) for s in ctx.sites)
+    return {s.name: s for s in ctx.sites}
+
+
+def test_gpt2_conv1d_projections_are_fp4_sites():
+    """GPT-2's Conv1D computes addmm(bias, x, W) with W [in, out]: a linear layer in another form."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=4, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    backend, _ = train(model)
+    sites = check_recipe_plan(backend, "transformer.h", 4)
+    c_attn = sites["transformer.h.1.attn.c_attn"]
+    assert (c_attn.kind, c_attn.in_features, c_attn.out_features) == ("addmm", 64, 192)
+    assert sorted(n for n, s in sites.items() if s.block == 1) == [
+        f"transformer.h.1.{m}" for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+    assert model.transformer.wte.weight.grad is not None  # tied lm_head and embedding
+
+
+def test_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    backend, _ = train(transformers.LlamaForCausalLM(config))
+    sites = check_recipe_plan(backend, "model.layers", 4)
+    assert {n.rsplit(".", 1)[-1] for n, s in sites.items() if s.block == 2} == {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+NEMOTRON_H_LAYERS = ["linear_attention", "mlp", "full_attention", "moe", "linear_attention", "mlp"]
+
+
+def test_nemotron_h_hybrid_mamba_attention_moe():
+    """Mamba-2, attention, MLP and MoE blocks in one stack (the PyTorch path of the Mamba-2 mixer)."""
+    torch.manual_seed(0)
+    config = transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=64, layers_block_type=NEMOTRON_H_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        mamba_num_heads=32, mamba_head_dim=4, n_groups=2, ssm_state_size=16, chunk_size=16,
+        n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64,
+        max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    backend, _ = train(transformers.NemotronHForCausalLM(config))
+    sites = check_recipe_plan(backend, "model.layers", len(NEMOTRON_H_LAYERS))
+    # Mamba-2 mixer: in/out projections are FP4 sites (in_proj: 2*128 + 2*2*16 + 32 = 352 outputs).
+    in_proj = sites["model.layers.4.mixer.in_proj"]
+    assert (in_proj.precision, in_proj.out_features) == ("nvfp4", 352)
+    assert sites["model.layers.4.mixer.out_proj"].precision == "nvfp4"
+    assert sites["model.layers.2.mixer.q_proj"].precision == "nvfp4"
+    assert sites["model.layers.3.mixer.gate"].precision == "nvfp4"  # the MoE router
+    # The chunked scan (einsum), attention (SDPA) and stacked experts (3-D weights) are not sites.
+    (ctx,) = [c for c in backend.report.contexts if c.sites]
+    ops = {(o.op, o.module.rsplit(".", 1)[-1]) for o in ctx.other_gemms}
+    assert {("einsum", "mixer"), ("scaled_dot_product_attention", "mixer"), ("grouped_mm", "experts")} <= ops
+    assert not any("experts." in name and "shared" not in name for name in sites)
+
+
+def test_bamba_mamba_and_attention_layers_with_feed_forward():
+    """Every Bamba layer holds a mixer (Mamba-2 or attention) and a feed-forward: one block each."""
+    torch.manual_seed(0)
+    config = transformers.BambaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, attn_layer_indices=[2],
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=32, mamba_d_head=4, mamba_n_groups=1,
+        mamba_d_state=16, mamba_chunk_size=16, max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+        pad_token_id=0,
+    )
+    backend, _ = train(transformers.BambaForCausalLM(config))
+    sites = check_recipe_plan(backend, "model.layers", 4)
+    assert {n.split(".", 3)[-1] for n, s in sites.items() if s.block in (1, 2)} == {
+        "mamba.in_proj", "mamba.out_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+        "self_attn.o_proj", "feed_forward.gate_proj", "feed_forward.up_proj", "feed_forward.down_proj"}
