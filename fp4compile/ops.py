@@ -7,7 +7,7 @@ in buffers; ``formats.QTensor`` is rebuilt inside the implementations.
 
 | op | meaning |
 |---|---|
-| ``fp4.gemm(a, b, role, site)`` | role-tagged C = a @ b.T in the compute dtype (before lowering) |
+| ``fp4.gemm(a, b, role, site)`` | role-tagged C = a @ b.T (last two dims) in the compute dtype (before lowering) |
 | ``fp4.quantize(x, fmt, block, rounding, seed)`` | packed codes, block scales, global amax |
 | ``fp4.dequantize(data, scales, amax, fmt, block, dtype)`` | the exact decode of NUMERICS |
 | ``fp4.rht(x, size)`` | blockwise random Hadamard transform along the last dim |
@@ -47,17 +47,18 @@ def _qtensor(data, scales, amax, fmt, block, shape, dtype=torch.float32) -> form
 
 @torch.library.custom_op("fp4::gemm", mutates_args=())
 def gemm(a: torch.Tensor, b: torch.Tensor, role: str, site: int, dtype: torch.dtype) -> torch.Tensor:
-    """C = a @ b.T in ``dtype`` (the model's compute dtype) with a [M, K], b [N, K].
+    """C = a @ b.T in ``dtype`` (the model's compute dtype) with a [M, K], b [N, K], or batched
+    a [..., M, K], b [..., N, K] with the same leading dims (activation matmuls).
 
     Operands arrive as the model holds them (e.g. fp32 master weights under BF16 autocast), so that
     quantization reads the full-precision tensor and fprop and dgrad quantize the same weight.
     """
-    return a.to(dtype) @ b.to(dtype).t()
+    return a.to(dtype) @ b.to(dtype).transpose(-2, -1)
 
 
 @gemm.register_fake
 def _(a, b, role, site, dtype):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=dtype)
+    return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,11 +137,12 @@ def _(x, size):
 
 def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype):
     """Emulated block-scaled FP4 GEMM: (block-decoded A) @ (block-decoded B).T with fp32 accumulation,
-    then alpha = amax_A * amax_B / 2688**2 (NVFP4) applied once, as a Blackwell epilogue does."""
+    then alpha = amax_A * amax_B / 2688**2 (NVFP4) applied once, as a Blackwell epilogue does.
+    Batched operands [..., M, K/2] and [..., N, K/2] (activation matmuls) multiply per leading index."""
     block = "1x16" if fmt == "nvfp4" else "1x32"
     qa = _qtensor(a, a_scales, a_amax, fmt, block, (*a.shape[:-1], a.shape[-1] * 2))
     qb = _qtensor(b, b_scales, b_amax, fmt, block, (*b.shape[:-1], b.shape[-1] * 2))
-    if a.is_cuda and fmt == "nvfp4":
+    if a.is_cuda and fmt == "nvfp4" and a.dim() == 2 and b.dim() == 2:
         # Every E2M1 x E4M3 product is exact in BF16: a BF16 GEMM with fp32 output accumulates the
         # same products in fp32 at tensor-core speed.
         from fp4compile.codegen import triton_kernels
@@ -151,7 +153,7 @@ def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_
             da, db = formats.block_decode(qa).to(torch.bfloat16), formats.block_decode(qb).to(torch.bfloat16)
         acc = torch.mm(da, db.t(), out_dtype=torch.float32)
     else:
-        acc = formats.block_decode(qa) @ formats.block_decode(qb).t()
+        acc = formats.block_decode(qa) @ formats.block_decode(qb).transpose(-2, -1)
     if fmt == "nvfp4":
         acc = acc * formats.global_decode_scale(a_amax) * formats.global_decode_scale(b_amax)
     return acc.to(out_dtype)
@@ -169,8 +171,8 @@ def scaled_mm(
     out_dtype: torch.dtype,
     kernel: str,
 ) -> torch.Tensor:
-    """C = A @ B.T for packed FP4 operands A [M, K/2], B [N, K/2]; ``kernel`` names the implementation
-    chosen by codegen at compile time (see ``fp4compile.codegen``)."""
+    """C = A @ B.T for packed FP4 operands A [M, K/2], B [N, K/2] (or batched [..., M, K/2], [..., N, K/2]);
+    ``kernel`` names the implementation chosen by codegen at compile time (see ``fp4compile.codegen``)."""
     from fp4compile import codegen
 
     return codegen.run_scaled_mm(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
@@ -178,7 +180,7 @@ def scaled_mm(
 
 @scaled_mm.register_fake
 def _(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, kernel):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+    return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,3 +237,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
 
 
 linear.__name__ = "fp4_linear"
+
+
+class _MatmulFunction(torch.autograd.Function):
+    """C = A @ B for two activations A [..., M, K], B [..., K, N] (same leading dims), computed like a
+    linear whose weight is B: fprop C = fp4.gemm(A, B^T), dgrad dA = fp4.gemm(dC, B), wgrad
+    dB = fp4.gemm(A^T, dC^T) (reduction over M)."""
+
+    @staticmethod
+    def forward(ctx, a, b, site: int, dtype: torch.dtype):
+        c = torch.ops.fp4.gemm(a, b.transpose(-2, -1), "fprop", site, dtype)
+        ctx.save_for_backward(a, b)
+        ctx.site, ctx.dtype = site, dtype
+        ctx.a_dtype, ctx.b_dtype = a.dtype, b.dtype
+        return c
+
+    @staticmethod
+    def backward(ctx, dc):
+        a, b = ctx.saved_tensors
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = torch.ops.fp4.gemm(dc, b, "dgrad", ctx.site, ctx.dtype).to(ctx.a_dtype)
+        if ctx.needs_input_grad[1]:
+            db = torch.ops.fp4.gemm(
+                a.transpose(-2, -1), dc.transpose(-2, -1), "wgrad", ctx.site, ctx.dtype
+            ).to(ctx.b_dtype)
+        return da, db, None, None
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, site: int) -> torch.Tensor:
+    """``a @ b`` of two activations whose three GEMMs carry role and site tags (see ``_MatmulFunction``)."""
+    return _MatmulFunction.apply(a, b, site, _compute_dtype(a))
+
+
+matmul.__name__ = "fp4_matmul"

@@ -30,6 +30,9 @@ class Recipe:
         precision, the recipe's "switch to BF16 before the end" schedule; recompiles once.
     check_finite: raise an error naming the layer, GEMM role and operand when a quantized tensor holds
         NaN or Inf (costs a device-to-host sync per quantized tensor).
+    include_activation_matmuls: experimental; also run explicit products of two activations (``q @ k.mT``,
+        ``probs @ v`` with ``matmul``/``mm``/``bmm``, 2-D to 4-D) as FP4 GEMM sites, both operands in
+        1x16 blocks. Fused ``scaled_dot_product_attention`` stays in high precision.
     """
 
     fmt: str = "nvfp4"
@@ -44,6 +47,7 @@ class Recipe:
     seed: int = 0
     switch_to_high_precision_at: Optional[int] = None
     check_finite: bool = False
+    include_activation_matmuls: bool = False
 
     def __post_init__(self):
         if self.fmt not in FORMATS:

@@ -14,7 +14,14 @@ Each site's node has ``node.meta["fp4_site"]`` = the site index. Site names are 
 to the compiled model (a matmul's parameter path unless it is its module's ``weight``). Block membership
 is left to ``find_blocks``.
 
-Products without a parameter operand (attention scores and values, SDPA, SSM scans written with
+With ``Recipe(include_activation_matmuls=True)`` (experimental) a product of two activations
+``A @ B`` (``operator.matmul``/``torch.matmul``/``torch.mm``/``torch.bmm`` calls) with A [..., M, K] and
+B [..., K, N] of the same rank (2-D to 4-D) and the same leading dims is a site too:
+- ``activation_matmul``: named ``<module>.matmul_<i>``, the module's i-th such product in graph order
+  (attention scores ``q @ k.mT`` are ``attn.matmul_0``, ``probs @ v`` ``attn.matmul_1``),
+  computed by ``fp4.matmul`` like a linear whose weight is B.
+
+Otherwise, products without a parameter operand (attention scores and values, SDPA, SSM scans written with
 ``einsum``/``bmm``) and batched parameters (``bmm``/``baddbmm``/grouped GEMMs with a 3-D weight, such as
 stacked MoE experts) are not sites: they run in high precision, as the model wrote them. They are listed in
 ``ctx.other_gemms`` (``OtherGemm``: op, module path, operand shapes, why not a site) for reports.
@@ -23,6 +30,7 @@ stacked MoE experts) are not sites: they run in high precision, as the model wro
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import re
 from typing import Optional
@@ -216,6 +224,26 @@ def _site_operands(node: fx.Node, gm: fx.GraphModule, root: Optional[str]):
     return None
 
 
+ACTIVATION_MATMUL_TARGETS = (operator.matmul, torch.matmul, torch.mm, torch.bmm)
+
+
+def _activation_matmul(node: fx.Node, gm: fx.GraphModule, root: Optional[str]):
+    """(A, B) when ``node`` is an explicit product of two activations ``fp4.matmul`` can compute."""
+    if node.op != "call_function" or node.target not in ACTIVATION_MATMUL_TARGETS:
+        return None
+    if len(node.args) != 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
+        return None
+    a, b = node.args
+    if _reads_parameter(a, gm, root) or _reads_parameter(b, gm, root):
+        return None
+    sa, sb = _shape(a), _shape(b)
+    if not 2 <= len(sa) <= 4 or len(sa) != len(sb) or sa[:-2] != sb[:-2] or sa[-1] != sb[-2]:
+        return None
+    if not (isinstance(sa[-1], int) and isinstance(sb[-1], int)):
+        return None  # a dynamic K or N: stays in high precision as written
+    return a, b
+
+
 def _other_gemm(node: fx.Node, gm: fx.GraphModule, root: Optional[str], stack) -> Optional[OtherGemm]:
     """``node`` as an ``OtherGemm`` if it is a matrix product (that is not a site), else None."""
     if node.op == "call_function" and node.target in PRODUCT_FUNCTIONS:
@@ -248,6 +276,42 @@ def _expected_roles(site: GemmSite, weight) -> None:
             site.roles["wgrad"] = RoleInfo("wgrad", shape=(n, k, t))
 
 
+def _add_activation_site(node: fx.Node, ctx: CompileContext, stack, a: fx.Node, b: fx.Node) -> None:
+    sa, sb = _shape(a), _shape(b)
+    module, module_type = stack[-1] if stack else ("", "")
+    prefix = f"{module}." if module else ""
+    i = sum(s.kind == "activation_matmul" and s.name == f"{prefix}{s.name.rsplit('.', 1)[-1]}" for s in ctx.sites)
+    site = GemmSite(
+        index=len(ctx.sites),
+        name=f"{prefix}matmul_{i}",
+        kind="activation_matmul",
+        module_type=module_type or "matmul",
+        in_features=sa[-1],
+        out_features=sb[-1],
+        input_shape=sa,
+        has_bias=False,
+        node_name=node.name,
+        graph_id=ctx.graph_id,
+    )
+    site.module_stack = stack
+    t, n, k = site.tokens, site.out_features, site.in_features
+    site.roles["fprop"] = RoleInfo("fprop", shape=(t, n, k))
+    if torch.is_grad_enabled():
+        aval, bval = a.meta.get("example_value"), b.meta.get("example_value")
+        if aval is None or aval.requires_grad:
+            site.roles["dgrad"] = RoleInfo("dgrad", shape=(t, k, n))
+        if bval is None or bval.requires_grad:
+            # dB = A^T dC per leading index: (K, N) reduced over M; the leading dims fold into K.
+            lead = sa[:-2]
+            if all(isinstance(d, int) for d in lead):
+                rows = k * math.prod(lead)
+            else:
+                rows = "*".join(map(str, (*lead, k)))
+            site.roles["wgrad"] = RoleInfo("wgrad", shape=(rows, n, sa[-2]))
+    node.meta["fp4_site"] = site.index
+    ctx.sites.append(site)
+
+
 def find_gemm_sites(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     ctx.module_types = {}
     ctx.other_gemms = []
@@ -259,6 +323,11 @@ def find_gemm_sites(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         for path, cls in stack:
             ctx.module_types.setdefault(path, cls)
         match = _site_operands(node, gm, root)
+        if match is None and getattr(ctx.recipe, "include_activation_matmuls", False):
+            operands = _activation_matmul(node, gm, root)
+            if operands is not None:
+                _add_activation_site(node, ctx, stack, *operands)
+                continue
         if match is None:
             other = _other_gemm(node, gm, root, stack)
             if other is not None:

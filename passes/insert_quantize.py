@@ -30,6 +30,8 @@ DEQUANTIZE = torch.ops.fp4.dequantize.default
 OPERAND_NAMES = {"fprop": ("X", "W"), "dgrad": ("dY", "W^T"), "wgrad": ("dY^T", "X^T")}
 # The model tensor each operand is made of (what ``fp4compile.distributed`` declares sharded).
 OPERAND_TENSORS = {"fprop": ("X", "W"), "dgrad": ("dY", "W"), "wgrad": ("dY", "X")}
+# Activation matmul sites C = A @ B (``fp4.matmul``): fp4.gemm(A, B^T), fp4.gemm(dC, B), fp4.gemm(A^T, dC^T).
+ACTIVATION_OPERAND_NAMES = {"fprop": ("A", "B^T"), "dgrad": ("dC", "B"), "wgrad": ("A^T", "dC^T")}
 
 
 def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -45,11 +47,12 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             operand = node.args[i]
             block, rounding = info.blocks[i], info.rounding[i]
             seed = runtime.node_seed(recipe.seed, zlib.crc32(site.name.encode()), info.role, i)
-            operand_name = OPERAND_NAMES[info.role][i]
+            activation = site.kind == "activation_matmul"
+            operand_name = (ACTIVATION_OPERAND_NAMES if activation else OPERAND_NAMES)[info.role][i]
             label = f"layer {site.name!r} {info.role} operand {operand_name}" if recipe.check_finite else ""
             args = (operand, info.precision, block, rounding, seed, label)
             tensor = OPERAND_TENSORS[info.role][i]
-            group = distributed.group_key(site.name, tensor) if info.precision == "nvfp4" else None
+            group = distributed.group_key(site.name, tensor) if info.precision == "nvfp4" and not activation else None
             val = operand.meta["val"]
             with gm.graph.inserting_before(node):
                 if group is None:

@@ -5,7 +5,8 @@ Guarantees: every ``fp4.gemm(dequantize(quantize(a)), dequantize(quantize(b)))``
 ``fp4.scaled_mm(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, fmt, dtype, kernel)`` with the
 kernel chosen by ``fp4compile.codegen.choose_kernel`` for its shape and device (CUTLASS on Blackwell,
 emulation elsewhere), the choice and its reason stored in the site's ``RoleInfo``. Dequantize nodes
-left without users are removed. Remaining ``fp4.gemm`` nodes are high-precision GEMMs.
+left without users are removed. Remaining ``fp4.gemm`` nodes are high-precision GEMMs. Batched GEMMs
+(activation matmuls with leading dims) run the emulated kernel.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ def lower_scaled_mm(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         m, n, k = info.shape
         device = node.meta["val"].device
-        choice = codegen.choose_kernel(m, n, k, info.precision, dtype, device)
+        if a.meta["val"].dim() > 2:
+            choice = codegen.KernelChoice("emulation", "batched operands: the FP4 kernels take 2-D operands")
+        else:
+            choice = codegen.choose_kernel(m, n, k, info.precision, dtype, device)
         info.kernel, info.kernel_reason = choice.name, choice.reason
         with gm.graph.inserting_before(node):
             mm = gm.graph.call_function(

@@ -7,6 +7,8 @@ once aot_autograd traces the graph; a matmul ``x @ W`` becomes ``fp4.linear(x, W
 ``addmm(b, x, W)`` (GPT-2's Conv1D) ``fp4.linear(x, W.t(), b)``.
 Sites whose in/out features are not multiples of the block size stay as they are, set to "high" with
 the reason recorded. High-precision sites are not touched: they compute exactly what the model wrote.
+An ``activation_matmul`` site ``A @ B`` (two activations, ``Recipe(include_activation_matmuls=True)``)
+becomes ``fp4.matmul(A, B, site)`` (in_features = K, out_features = N must fit the blocks).
 """
 
 from __future__ import annotations
@@ -36,13 +38,16 @@ def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             site.set_precision(HIGH, reason)
             continue
         with gm.graph.inserting_before(node):
-            if site.kind == "linear":
+            if site.kind == "activation_matmul":
+                new = gm.graph.call_function(ops.matmul, (node.args[0], node.args[1], index))
+            elif site.kind == "linear":
                 x, weight = node.args[0], node.args[1]
                 bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
             else:  # matmul x @ B, or addmm(b, x, B): B is [in, out]
                 bias, x, param = node.args[:3] if site.kind == "addmm" else (None, *node.args[:2])
                 weight = gm.graph.call_function(torch.t, (param,))
-            new = gm.graph.call_function(ops.linear, (x, weight, bias, index))
+            if site.kind != "activation_matmul":
+                new = gm.graph.call_function(ops.linear, (x, weight, bias, index))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

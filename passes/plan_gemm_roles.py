@@ -10,6 +10,11 @@ multiple of the block size. ``node.meta["fp4_role"]`` holds the same RoleInfo. I
 the dgrad/wgrad roles an FP4 site does not compute (frozen weight, input without gradient) are
 removed from ``site.roles``.
 
+Activation matmul sites (``fp4.matmul``, batched operands [..., M, K]): both operands of every role use
+the activation block (1x16, no 16x16 tiles: B is not a weight); dC is stochastically rounded in dgrad
+and wgrad like other gradients, and wgrad gets the RHT as for linears. The recorded shape folds the
+leading dims into M, so that ``flops`` counts every batch.
+
 Token padding: the reduction dim of wgrad is the token count, which a batch or sequence length sets
 (and which is symbolic under ``torch.compile(dynamic=True)``). When it is not known to be a multiple
 of the block size, both wgrad operands are zero-padded along it to the next multiple, at run time
@@ -94,8 +99,12 @@ def plan_gemm_roles(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         a, b, role, index = node.args[:4]
         site = ctx.sites[index]
         seen.add((index, role))
-        (m, k), (n, _) = a.meta["val"].shape, b.meta["val"].shape
+        aval = a.meta["val"]
+        (m, k), n = aval.shape[-2:], b.meta["val"].shape[-2]
+        for d in aval.shape[:-2]:
+            m = m * d
         info = RoleInfo(role=role, shape=_shape_text((m, n, k)))
+        activation = site.kind == "activation_matmul"
         sr = "sr" if recipe.stochastic_rounding else "rne"
         if not site.is_low_precision:
             info.reason = site.reason
@@ -110,13 +119,15 @@ def plan_gemm_roles(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         else:
             info.precision = site.precision
             info.reason = site.reason
-            act, weight = recipe.activation_block, recipe.weight_block
+            act = recipe.activation_block
+            weight = act if activation else recipe.weight_block
             if role == "fprop":
                 info.blocks, info.rounding = (act, weight), ("rne", "rne")
             elif role == "dgrad":
                 info.blocks, info.rounding = (act, weight), (sr, "rne")
             else:
-                info.blocks, info.rounding = (act, act), (sr, "rne")
+                # linear: (dY^T, X^T); activation matmul: (A^T, dC^T), the gradient second.
+                info.blocks, info.rounding = (act, act), (("rne", sr) if activation else (sr, "rne"))
                 info.rht = recipe.rht
                 if not _is_multiple(k, bs):
                     padded_k = _pad_tokens(gm, node, bs)
