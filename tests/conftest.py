@@ -21,3 +21,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         if "blackwell" in item.keywords and not _is_blackwell():
             item.add_marker(no_blackwell)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A clean dynamo cache and SR stream (seed 0) around a test."""
+    import fp4compile
+
+    torch._dynamo.reset()
+    fp4compile.manual_seed(0)
+    yield
+    torch._dynamo.reset()

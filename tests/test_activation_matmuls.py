@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import fp4compile
 from fp4compile import Backend, formats
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 LINEARS_HIGH = ("*.qkv", "*.proj", "*.fc", "*.out", "emb", "head")
 
 
@@ -69,14 +71,6 @@ class TinyAttentionModel(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    fp4compile.manual_seed(0)
-    yield
-    torch._dynamo.reset()
 
 
 def _model(**kw):

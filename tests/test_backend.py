@@ -13,13 +13,7 @@ from fp4compile import Backend, Recipe
 from models import MLPStack, TinyGPT, lm_loss
 from recipe_reference import reference_recipe
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    fp4compile.manual_seed(0)
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _gpt(**kw):

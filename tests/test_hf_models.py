@@ -16,17 +16,11 @@ import torch
 import fp4compile
 from fp4compile import Backend
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 128
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    fp4compile.manual_seed(0)
-    yield
-    torch._dynamo.reset()
 
 
 def train(model, steps=3, lr=3e-3):
