@@ -267,7 +267,7 @@ def time_gemm(x, median_ms) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--out", default=".", help="folder for the JSON and logs")
     parser.add_argument("--jobs", type=int, default=8, help="processes compiling kernels before timing")
     parser.add_argument("--size", type=int, default=8192, help="the input is size x size")
     args = parser.parse_args()
