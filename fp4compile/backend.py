@@ -125,9 +125,7 @@ class Backend:
         self, gm: fx.GraphModule, example_inputs, graph_id: int, high_precision: bool = False, model_site_names=None
     ):
         recipe = self.recipe
-        ctx = CompileContext(recipe, graph_id, record=None)
-        if model_site_names:
-            ctx.model_site_names = model_site_names
+        ctx = CompileContext(recipe, graph_id, model_site_names or None)
         if high_precision:
             user_passes = [_all_high_precision]
         else:
@@ -435,6 +433,4 @@ def get_backend(options: Optional[dict] = None, mode: Optional[str] = None) -> B
 def nvfp4_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] = None, mode: Optional[str] = None):
     """The function registered as ``backend="nvfp4"``; ``options`` are Recipe fields (or "recipe"),
     plus "inner", "passes" and "print_ir_after"."""
-    backend = get_backend(options, mode)
-    get_backend.last = backend
-    return backend(gm, example_inputs)
+    return get_backend(options, mode)(gm, example_inputs)

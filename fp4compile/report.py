@@ -158,7 +158,7 @@ class Report:
         lines = _columns(rows)
         lines += [f"fallback: {f}" for f in self.fallbacks]
         lines += [f"kernel {name} ({n} GEMMs): {reason}" for (name, reason), n in sorted(self.kernels().items())]
-        others = [o for ctx in self.latest for o in getattr(ctx, "other_gemms", ())]
+        others = [o for ctx in self.latest for o in ctx.other_gemms]
         if others:
             lines.append(f"{len(others)} other matrix products (attention, scans, batched weights) run in high precision")
         lines.append(self.summary())

@@ -94,28 +94,24 @@ class StageGraph:
     stage: str
     pass_name: str
     code: str
-    changes: str = ""
 
 
 class CompileContext:
     """What the passes of one compiled graph share: the recipe, the GEMM sites and the log of changes."""
 
-    def __init__(self, recipe: Recipe, graph_id: int, model: Optional[torch.nn.Module] = None, record=None):
+    def __init__(self, recipe: Recipe, graph_id: int, model_site_names: Optional[list[str]] = None):
         self.recipe = recipe
         self.graph_id = graph_id
-        self.model = model
+        # Linear layers of the whole model when the graph is a frame inside it (see backend._ModelScope).
+        self.model_site_names = model_site_names
         self.sites: list[GemmSite] = []
         self.n_blocks = 0
         self.block_names: list[str] = []
         self.graphs: list[StageGraph] = []
         self.final_graphs: dict[str, torch.fx.Graph] = {}  # stage -> graph after the latest pass
-        self._record = record
         self.fallbacks: list[str] = []
         self.module_types: dict[str, str] = {}  # module path -> class name (find_gemm_sites)
         self.other_gemms: list = []  # matrix products that are not GEMM sites (find_gemm_sites)
-
-    def site(self, index: int) -> GemmSite:
-        return self.sites[index]
 
     def note(self, message: str) -> None:
         log.info("fp4compile: %s", message)
@@ -126,12 +122,13 @@ class CompileContext:
         self.fallbacks.append(message)
         log.warning("fp4compile: %s", message)
 
-    def record(self, stage: str, pass_name: str, gm: torch.fx.GraphModule, changes: str = "") -> None:
-        graph = StageGraph(self.graph_id, stage, pass_name, gm.print_readable(print_output=False), changes)
-        self.graphs.append(graph)
-        # A copy: the inner compiler (Inductor's post-grad passes) may rewrite ``gm`` after our last pass.
+    def record(self, stage: str, pass_name: str, gm: torch.fx.GraphModule) -> None:
+        """Keep the graph's code after a pass (for reports and diffs)."""
+        self.graphs.append(StageGraph(self.graph_id, stage, pass_name, gm.print_readable(print_output=False)))
+
+    def keep_final(self, stage: str, gm: torch.fx.GraphModule) -> None:
+        """Keep a copy of the graph our passes produced: the inner compiler (Inductor's post-grad
+        passes) may rewrite ``gm`` in place afterwards."""
         final = torch.fx.Graph()
         final.output(final.graph_copy(gm.graph, {}))
         self.final_graphs[stage] = final
-        if self._record is not None:
-            self._record(graph)

@@ -157,7 +157,7 @@ def find_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if not ctx.sites:
         return gm
     flow = SiteDataFlow(gm, ctx.sites)
-    model_names = getattr(ctx, "model_site_names", None)
+    model_names = ctx.model_site_names
     if model_names:
         # Blocks known from the whole model (graph breaks): keep the model's numbering.
         ordered = block_paths(model_names)

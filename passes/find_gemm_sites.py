@@ -323,7 +323,7 @@ def find_gemm_sites(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         for path, cls in stack:
             ctx.module_types.setdefault(path, cls)
         match = _site_operands(node, gm, root)
-        if match is None and getattr(ctx.recipe, "include_activation_matmuls", False):
+        if match is None and ctx.recipe.include_activation_matmuls:
             operands = _activation_matmul(node, gm, root)
             if operands is not None:
                 _add_activation_site(node, ctx, stack, *operands)

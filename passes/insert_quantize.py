@@ -43,10 +43,11 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         site = ctx.sites[node.args[3]]
         new_args = list(node.args)
+        site_key = zlib.crc32(site.name.encode())
         for i in (0, 1):
             operand = node.args[i]
             block, rounding = info.blocks[i], info.rounding[i]
-            seed = runtime.node_seed(recipe.seed, zlib.crc32(site.name.encode()), info.role, i)
+            seed = runtime.node_seed(recipe.seed, site_key, info.role, i)
             activation = site.kind == "activation_matmul"
             operand_name = (ACTIVATION_OPERAND_NAMES if activation else OPERAND_NAMES)[info.role][i]
             label = f"layer {site.name!r} {info.role} operand {operand_name}" if recipe.check_finite else ""
@@ -65,11 +66,12 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 "site": site.name, "role": info.role, "operand": operand_name, "block": block, "rounding": rounding,
                 "amax_group": group,
             }
-            parts_val = _fake_outputs(val, info.precision, block)
+            # Metadata from the ops' own fake implementations (the operand's value is a FakeTensor).
+            parts_val = QUANTIZE(val, *args[1:])
             q.meta["val"] = parts_val
             for j, p in enumerate(parts):
                 p.meta["val"] = parts_val[j]
-            dq.meta["val"] = val.new_empty(val.shape, dtype=torch.float32)
+            dq.meta["val"] = DEQUANTIZE(*parts_val, info.precision, block, torch.float32)
             new_args[i] = dq
             inserted += 1
         node.args = tuple(new_args)
@@ -78,12 +80,3 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     ctx.note(f"graph {ctx.graph_id}: inserted {inserted} quantize nodes")
     return gm
 
-
-def _fake_outputs(val, fmt, block):
-    cols = 32 if block == "1x32" else 16
-    lead = val.shape[:-1]
-    return (
-        val.new_empty((*lead, val.shape[-1] // 2), dtype=torch.uint8),
-        val.new_empty((*lead, val.shape[-1] // cols), dtype=torch.uint8),
-        val.new_empty((), dtype=torch.float32),
-    )

@@ -99,4 +99,5 @@ def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Pass], 
         if _print_after(print_ir_after, name):
             print(f"# ---- fp4compile: graph {ctx.graph_id} {stage} after {name} ----")
             print(ctx.graphs[-1].code)
+    ctx.keep_final(stage, gm)
     return gm

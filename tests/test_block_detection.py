@@ -76,12 +76,11 @@ def test_parameter_products_are_sites_in_linear_form():
     }
 
 
-class ManualAttention(nn.Module):
+class ManualAttention(Attention):
+    """The same projections as ``models.Attention``, with the products written out in every form."""
+
     def __init__(self, d=32, n_head=2):
-        super().__init__()
-        self.n_head = n_head
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
+        super().__init__(d, n_head)
 
     def forward(self, x):
         b, t, d = x.shape
