@@ -6,7 +6,7 @@ says whether it can take the call and why not. The choice and its reason are sto
 | kernel name | where | what |
 |---|---|---|
 | ``cutlass:<config>`` | sm_100 GPUs with CUDA torch | generated CUTLASS SM100 block-scaled NVFP4 GEMM |
-| ``emulation`` | everywhere | block-decode both operands (exact), matmul with fp32 accumulation, alpha |
+| ``emulation`` | everywhere | block-decode both operands (exact), matmul with fp32 accumulation, alpha; on CUDA a BF16 GEMM with fp32 output on Triton-decoded operands |
 """
 
 from __future__ import annotations
@@ -89,6 +89,16 @@ def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: st
 
         config = cutlass_gemm.GemmConfig.from_name(kernel.split(":", 1)[1])
         return cutlass_gemm.scaled_mm(config, a, a_scales, a_amax, b, b_scales, b_amax)
+    if a.is_cuda and fmt == "nvfp4" and a.dim() == 2 and b.dim() == 2:
+        from . import triton_kernels
+
+        if triton_kernels.available()[0]:
+            # Block-decoded operands are exact in BF16 (every E2M1 x E4M3 product is): a BF16 GEMM
+            # with fp32 output accumulates the same products at tensor-core speed, alpha after.
+            return triton_kernels.emulated_scaled_mm(
+                triton_kernels.block_decode(a, a_scales), a_amax, triton_kernels.block_decode(b, b_scales), b_amax,
+                out_dtype,
+            )
     return ops.scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
 
 

@@ -142,18 +142,7 @@ def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_
     block = "1x16" if fmt == "nvfp4" else "1x32"
     qa = _qtensor(a, a_scales, a_amax, fmt, block, (*a.shape[:-1], a.shape[-1] * 2))
     qb = _qtensor(b, b_scales, b_amax, fmt, block, (*b.shape[:-1], b.shape[-1] * 2))
-    if a.is_cuda and fmt == "nvfp4" and a.dim() == 2 and b.dim() == 2:
-        # Every E2M1 x E4M3 product is exact in BF16: a BF16 GEMM with fp32 output accumulates the
-        # same products in fp32 at tensor-core speed.
-        from fp4compile.codegen import triton_kernels
-
-        if triton_kernels.available()[0]:
-            da, db = triton_kernels.block_decode(a, a_scales), triton_kernels.block_decode(b, b_scales)
-        else:
-            da, db = formats.block_decode(qa).to(torch.bfloat16), formats.block_decode(qb).to(torch.bfloat16)
-        acc = torch.mm(da, db.t(), out_dtype=torch.float32)
-    else:
-        acc = formats.block_decode(qa) @ formats.block_decode(qb).transpose(-2, -1)
+    acc = formats.block_decode(qa) @ formats.block_decode(qb).transpose(-2, -1)
     if fmt == "nvfp4":
         acc = acc * formats.global_decode_scale(a_amax) * formats.global_decode_scale(b_amax)
     return acc.to(out_dtype)
