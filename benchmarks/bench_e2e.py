@@ -78,14 +78,15 @@ def check_bit_exact() -> str:
     return "bit-exact"
 
 
-def run_variant(variant: str, d_model: int, n_layer: int, steps: int, batch: int) -> dict:
+def training_step(variant: str, d_model: int, n_layer: int, batch: int):
+    """(step function running one AdamW training step of the benchmark GPT, the nvfp4 Backend or None, cfg)."""
     import fp4compile
 
     torch.manual_seed(0)
     model, cfg = build(d_model, n_layer, variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    backend = fp4compile.Backend() if variant == "nvfp4" else "inductor"
-    compiled = torch.compile(model, backend=backend)
+    backend = fp4compile.Backend() if variant == "nvfp4" else None
+    compiled = torch.compile(model, backend=backend or "inductor")
     x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), device="cuda")
 
     def step():
@@ -96,6 +97,11 @@ def run_variant(variant: str, d_model: int, n_layer: int, steps: int, batch: int
         opt.zero_grad(set_to_none=True)
         return loss
 
+    return step, backend, cfg
+
+
+def run_variant(variant: str, d_model: int, n_layer: int, steps: int, batch: int) -> dict:
+    step, backend, cfg = training_step(variant, d_model, n_layer, batch)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     loss = step()

@@ -41,6 +41,15 @@ def _triton_quantize_provider(x, fmt: str, block: str):
     return triton_kernels.quantize_provider(x, fmt, block)
 
 
+def _triton_rht_quantize_provider(x, size: int, fmt: str, block: str):
+    """The fused transpose + RHT + quantize Triton kernel takes the weight-gradient operands on CUDA."""
+    if not x.is_cuda:
+        return None
+    from . import triton_kernels
+
+    return triton_kernels.rht_quantize_provider(x, size, fmt, block)
+
+
 def _notice(message: str) -> None:
     if message not in _notices:
         _notices.add(message)
@@ -103,3 +112,4 @@ def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: st
 
 
 runtime.register_quantize_provider(_triton_quantize_provider)
+runtime.register_rht_quantize_provider(_triton_rht_quantize_provider)

@@ -625,9 +625,14 @@ def _seed_halves(rounding: str, seed: Optional[int]) -> tuple[int, int]:
     return tuple(h - (1 << 32) if h >= (1 << 31) else h for h in halves)
 
 
+def _scales_bytes(rows: int, cols: int, swizzle: bool) -> int:
+    """Bytes of a [rows, cols] scale matrix, plain or in the zero-padded 128x4-tiled layout."""
+    return (-(-rows // 128) * 128) * (-(-cols // 4) * 4) if swizzle else rows * cols
+
+
 def _scales_buffer(rows: int, cols: int, swizzle: bool, device) -> torch.Tensor:
     if swizzle:
-        return torch.zeros((-(-rows // 128) * 128) * (-(-cols // 4) * 4), dtype=torch.uint8, device=device)
+        return torch.zeros(_scales_bytes(rows, cols, True), dtype=torch.uint8, device=device)
     return torch.empty((rows, cols), dtype=torch.uint8, device=device)
 
 
@@ -815,11 +820,13 @@ def _decode(data, scales, amax, dtype, swizzled, apply_amax):
     if k % 16:
         raise ValueError(f"packed data of shape {tuple(data.shape)} does not hold whole 16-element blocks")
     scales = scales.view(torch.uint8).contiguous()
-    expected = _scales_buffer(m, k // 16, swizzled, "meta").numel()
+    expected = _scales_bytes(m, k // 16, swizzled)
     if scales.numel() != expected:
         raise ValueError(f"scales hold {scales.numel()} bytes; [{m}, {k // 16}] (swizzled={swizzled}) needs {expected}")
     out = torch.empty((m, k), dtype=dtype, device=data.device)
-    amax_t = (amax if amax is not None else torch.ones(())).detach().to(data.device, torch.float32).reshape(1)
+    # Without APPLY_AMAX the kernel never reads amax_ptr: pass the output, not a host tensor (a copy
+    # from pageable host memory would wait for the whole stream on every call).
+    amax_t = out if amax is None else amax.detach().to(data.device, torch.float32).reshape(1)
     cfg = CONFIGS["decode"]
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
     _decode_kernel[grid](
@@ -883,3 +890,17 @@ def quantize_provider(x: torch.Tensor, fmt: str, block: str):
     if block == "1x16":
         return lambda x, rounding, seed: quantize_1x16(x, rounding, seed)
     return lambda x, rounding, seed: quantize_16x16(x, rounding, seed)
+
+
+def rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str):
+    """A provider for ``runtime.register_rht_quantize_provider``: ``quantize_wgrad_operand`` for NVFP4
+    1x16 with the 16-point RHT on a 2-D CUDA operand [K, tokens] (the transposed view the wgrad GEMM reads).
+
+    Returns a callable (x, rounding, seed) -> (data, scales, amax), or None where it cannot take the call.
+    """
+    if fmt != "nvfp4" or block != "1x16" or size != 16 or not x.is_cuda or x.dtype not in _INPUT_DTYPES:
+        return None
+    if not available()[0] or x.dim() != 2 or x.shape[-1] % 16 or x.numel() == 0:
+        return None
+    return lambda x, rounding, seed: quantize_wgrad_operand(x.t(), rounding, seed)
+

@@ -66,6 +66,15 @@ def _(a, b, role, site, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
+def _quantize(x: torch.Tensor, fmt: str, block: str, rounding: str, stream: int):
+    kernel = runtime.quantize_kernel(x, fmt, block)
+    if kernel is not None:
+        return kernel(x, rounding, stream)
+    q = formats.quantize(x, fmt, block, rounding, seed=stream)
+    amax = q.amax if q.amax is not None else x.float().abs().amax()
+    return q.data.view(torch.uint8), q.scales.view(torch.uint8), amax
+
+
 @torch.library.custom_op("fp4::quantize", mutates_args=())
 def quantize(
     x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str
@@ -76,21 +85,14 @@ def quantize(
     with the SR state, which advances on every compiled call made with gradients enabled. A non-empty ``check`` names the
     operand ("layer role operand"): non-finite input then raises ``FloatingPointError``.
     """
-    kernel = runtime.quantize_kernel(x, fmt, block)
-    stream = runtime.sr_seed(seed) if rounding == "sr" else 0
-    if kernel is not None:
-        data, scales, amax = kernel(x, rounding, stream)
-    else:
-        q = formats.quantize(x, fmt, block, rounding, seed=stream)
-        data, scales = q.data.view(torch.uint8), q.scales.view(torch.uint8)
-        amax = q.amax if q.amax is not None else x.float().abs().amax()
+    data, scales, amax = _quantize(x, fmt, block, rounding, runtime.sr_seed(seed) if rounding == "sr" else 0)
     if check and not bool(torch.isfinite(amax)):
         runtime.raise_non_finite(check, x)
     return data, scales, amax
 
 
 @quantize.register_fake
-def _(x, fmt, block, rounding, seed, check):
+def _quantize_fake(x, fmt, block, rounding, seed, check):
     cols = _BLOCK_COLS[block]
     shape = x.shape[:-1]
     return (
@@ -98,6 +100,31 @@ def _(x, fmt, block, rounding, seed, check):
         x.new_empty((*shape, x.shape[-1] // cols), dtype=torch.uint8),
         x.new_empty((), dtype=torch.float32),
     )
+
+
+@torch.library.custom_op("fp4::rht_quantize", mutates_args=())
+def rht_quantize(
+    x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fp4.quantize(fp4.rht(x, size), ...)`` in one op: what the weight-gradient operands need.
+
+    Same bits as the two ops (same SR stream). Where a fused kernel takes the call (NVFP4 on CUDA: one
+    Triton kernel reads x once per pass, transforms, and quantizes) the RHT output is never written out.
+    """
+    stream = runtime.sr_seed(seed) if rounding == "sr" else 0
+    kernel = runtime.rht_quantize_kernel(x, size, fmt, block)
+    if kernel is not None:
+        data, scales, amax = kernel(x, rounding, stream)
+    else:
+        data, scales, amax = _quantize(formats.rht(x, size), fmt, block, rounding, stream)
+    if check and not bool(torch.isfinite(amax)):
+        runtime.raise_non_finite(check, x)
+    return data, scales, amax
+
+
+@rht_quantize.register_fake
+def _(x, size, fmt, block, rounding, seed, check):
+    return _quantize_fake(x, fmt, block, rounding, seed, check)
 
 
 @torch.library.custom_op("fp4::dequantize", mutates_args=())

@@ -310,13 +310,14 @@ NODE_KINDS = {
     "quantize": ("#f4a261", "fp4.quantize"),
     "dequantize": ("#e9c46a", "fp4.dequantize"),
     "rht": ("#8e5ec9", "fp4.rht (random Hadamard)"),
+    "rht_quantize": ("#c77dba", "fp4.rht_quantize (RHT fused into quantize)"),
     "attention": ("#a7c957", "attention"),
     "input": ("#e0e0e0", "graph input"),
     "output": ("#e0e0e0", "graph output"),
     "other": ("#f7f7f7", "other op"),
 }
 DARK_KINDS = ("fp4_gemm", "high_gemm", "rht")  # drawn with white text
-KEY_KINDS = ("fp4_gemm", "high_gemm", "quantize", "dequantize", "rht", "attention")
+KEY_KINDS = ("fp4_gemm", "high_gemm", "quantize", "dequantize", "rht", "rht_quantize", "attention")
 
 STAGE_ROLES = {"dynamo": (), "forward": ("fprop",), "backward": ("dgrad", "wgrad")}
 _ATEN_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "_scaled_mm")
@@ -342,6 +343,7 @@ _KIND_BY_TARGET = {
     torch.ops.fp4.quantize.default: "quantize",
     torch.ops.fp4.dequantize.default: "dequantize",
     torch.ops.fp4.rht.default: "rht",
+    torch.ops.fp4.rht_quantize.default: "rht_quantize",
     torch.ops.fp4.scaled_mm.default: "fp4_gemm",
     ops.linear: "fp4_gemm",  # the dynamo graph's marked linears
     **{t: "high_gemm" for t in (*LINEAR_TARGETS, *MATMUL_TARGETS)},  # the dynamo graph's other GEMMs
@@ -391,9 +393,10 @@ def _role_by_shape(node: fx.Node, site: GemmSite, roles: tuple) -> Optional[str]
 
 def _label(kind: str, node: fx.Node, attrs: dict) -> str:
     site, role, operand = attrs.get("site"), attrs.get("role"), attrs.get("operand")
-    if kind == "quantize":
+    if kind in ("quantize", "rht_quantize"):
         q = node.meta.get("fp4_quantize", {})
-        return f"quantize {operand or ''}\n{q.get('block', '')} {q.get('rounding', '').upper()}".strip()
+        what = "RHT + quantize" if kind == "rht_quantize" else "quantize"
+        return f"{what} {operand or ''}\n{q.get('block', '')} {q.get('rounding', '').upper()}".strip()
     if kind == "rht":
         return f"RHT {operand}" if operand else "RHT"
     if kind == "fp4_gemm":
@@ -426,7 +429,7 @@ def _dataflow(ctx: CompileContext, stage: str, prefix: str):
         info = node.meta.get("fp4_role")
         if info is not None:
             attrs["role"], attrs["site"] = info.role, role_owner.get(id(info))
-        elif kind == "quantize":
+        elif kind in ("quantize", "rht_quantize"):
             q = node.meta.get("fp4_quantize", {})
             attrs.update(site=q.get("site"), role=q.get("role"), operand=q.get("operand"))
         elif kind in ("high_gemm", "fp4_gemm"):

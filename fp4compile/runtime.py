@@ -91,6 +91,24 @@ def quantize_kernel(x: torch.Tensor, fmt: str, block: str) -> Optional[Callable]
     return None
 
 
+# Fused RHT + quantize kernels (the weight-gradient operands): each takes (x, size, fmt, block) and
+# returns a callable (x, rounding, seed) -> (data, scales, amax) equal to quantizing ``formats.rht(x,
+# size)``, or None where it cannot take the call.
+_rht_quantize_providers: list[Callable] = []
+
+
+def register_rht_quantize_provider(provider: Callable) -> None:
+    _rht_quantize_providers.append(provider)
+
+
+def rht_quantize_kernel(x: torch.Tensor, size: int, fmt: str, block: str) -> Optional[Callable]:
+    for provider in _rht_quantize_providers:
+        kernel = provider(x, size, fmt, block)
+        if kernel is not None:
+            return kernel
+    return None
+
+
 def raise_non_finite(label: str, x: torch.Tensor) -> None:
     """The error ``Recipe(check_finite=True)`` raises: names layer, GEMM role, operand and step.
 

@@ -22,6 +22,7 @@ from models import MLPStack, TinyGPT, lm_loss
 TESTS = Path(__file__).resolve().parent
 QUANTIZE = torch.ops.fp4.quantize.default
 RHT = torch.ops.fp4.rht.default
+RHT_QUANTIZE = torch.ops.fp4.rht_quantize.default
 SCALED_MM = torch.ops.fp4.scaled_mm.default
 HIGH_GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 FP4_SITES = [f"blocks.1.{m}" for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.out")]
@@ -152,28 +153,37 @@ def test_final_graphs_hold_the_reported_gemms(explained):
 
 
 def test_rht_only_on_weight_gradient_operands(explained):
-    backward = explained.report.fx_graph("backward")
-    rhts = _nodes(backward, RHT)
-    assert len(rhts) == 8
-    for rht in rhts:
-        (quantize,) = rht.users
-        assert quantize.target is QUANTIZE
-        gemms = {g for item in quantize.users for g in item.users if item.target is operator.getitem}
+    report = explained.report
+    lowered = report.graph("backward", "lower_scaled_mm")
+    assert lowered.count("torch.ops.fp4.rht.default(") == 8
+    backward = report.fx_graph("backward")  # after fuse_rht_quantize: each RHT inside its quantize
+    assert not _nodes(backward, RHT)
+    fused = _nodes(backward, RHT_QUANTIZE)
+    assert len(fused) == 8
+    for node in fused:
+        assert node.args[1] == 16 and node.meta["fp4_quantize"]["rht"] == 16
+        gemms = {g for item in node.users for g in item.users if item.target is operator.getitem}
         assert [g.target for g in gemms] == [SCALED_MM]
         assert next(iter(gemms)).meta["fp4_role"].role == "wgrad"
     wgrads = [g for g in _nodes(backward, SCALED_MM) if g.meta["fp4_role"].role == "wgrad"]
     for gemm in wgrads:  # both operands of every FP4 wgrad went through an RHT
         producers = {a.args[0] for a in gemm.args[:6]}
-        assert {q.args[0].target for q in producers} == {RHT}
+        assert {q.target for q in producers} == {RHT_QUANTIZE}
+    for stage in ("forward", "backward"):  # the other operands are plain quantizes
+        for q in _nodes(report.fx_graph(stage), QUANTIZE):
+            gemms = {g for item in q.users for g in item.users if item.target is operator.getitem}
+            assert all(g.meta["fp4_role"].role != "wgrad" for g in gemms)
 
 
 def test_stochastic_rounding_only_on_gradient_operands(explained):
     quantizes = [n for stage in ("forward", "backward") for n in _nodes(explained.report.fx_graph(stage), QUANTIZE)]
+    quantizes += _nodes(explained.report.fx_graph("backward"), RHT_QUANTIZE)
     assert len(quantizes) == 8 + 16
     for q in quantizes:
         info = q.meta["fp4_quantize"]
-        assert (q.args[3] == "sr") == info["operand"].startswith("dY"), info
-    assert sum(q.args[3] == "sr" for q in quantizes) == 8  # dY in dgrad and wgrad of 4 linears
+        rounding = q.args[4] if q.target is RHT_QUANTIZE else q.args[3]
+        assert (rounding == "sr") == info["operand"].startswith("dY"), info
+    assert sum(q.meta["fp4_quantize"]["rounding"] == "sr" for q in quantizes) == 8  # dY in dgrad and wgrad of 4 linears
 
 
 # ---------------------------------------------------------------------------- graphs and diffs
@@ -181,7 +191,8 @@ def test_stochastic_rounding_only_on_gradient_operands(explained):
 
 def test_graph_after_each_pass_and_diff(explained):
     report = explained.report
-    assert report.pass_names("backward") == ["input", "plan_gemm_roles", "insert_rht", "insert_quantize", "lower_scaled_mm"]
+    assert report.pass_names("backward") == ["input", "plan_gemm_roles", "insert_rht", "insert_quantize", "lower_scaled_mm",
+                                             "fuse_rht_quantize"]
     assert "fp4.rht" not in report.graph("backward", "plan_gemm_roles")
     assert report.graph("backward", "insert_rht").count("torch.ops.fp4.rht.default(") == 8
     diff = report.diff("backward", "insert_rht")
@@ -228,7 +239,7 @@ def test_to_mlir_has_the_fp4_ops_and_parses_back(explained):
     assert "func.func @graph0_forward(" in forward and "func.func @graph0_backward(" in backward
     assert forward.count('torch.operator "torch.fp4.quantize"') == 8
     assert forward.count('torch.operator "torch.fp4.scaled_mm"') == 4
-    assert backward.count('torch.operator "torch.fp4.rht"') == 8
+    assert backward.count('torch.operator "torch.fp4.rht_quantize"') == 8
     assert backward.count('torch.operator "torch.fp4.scaled_mm"') == 8
     assert "torch.aten.mm" in backward
     context = ir.Context()
@@ -237,7 +248,7 @@ def test_to_mlir_has_the_fp4_ops_and_parses_back(explained):
     assert module.operation.verify()
     names = [op.attributes["name"].value for op in module.body.operations[0].regions[0].blocks[0].operations
              if op.operation.name == "torch.operator"]
-    assert names.count("torch.fp4.quantize") == 16
+    assert names.count("torch.fp4.quantize") == 8 and names.count("torch.fp4.rht_quantize") == 8
     with pytest.raises(ValueError, match="dynamo"):
         report.to_mlir("dynamo")
 
@@ -248,23 +259,25 @@ def test_dataflow_and_dot_colour_the_fp4_nodes(explained):
     kinds = {}
     for _, attrs in graph.nodes(data=True):
         kinds[attrs["kind"]] = kinds.get(attrs["kind"], 0) + 1
-    assert kinds["fp4_gemm"] == 8 and kinds["rht"] == 8 and kinds["quantize"] == 16 and kinds["high_gemm"] == 18
+    assert kinds["fp4_gemm"] == 8 and kinds["rht_quantize"] == 8 and kinds["quantize"] == 8 and kinds["high_gemm"] == 18
+    assert "rht" not in kinds
     wgrad = next(a for _, a in graph.nodes(data=True) if a["kind"] == "fp4_gemm" and a["role"] == "wgrad")
     assert wgrad["site"] in FP4_SITES and wgrad["label"] == f"FP4 wgrad\n{wgrad['site']}"
     compact = report.dataflow("backward", compact=True)
-    assert {a["kind"] for _, a in compact.nodes(data=True)} <= {"fp4_gemm", "high_gemm", "quantize", "rht", "attention"}
+    assert {a["kind"] for _, a in compact.nodes(data=True)} <= {"fp4_gemm", "high_gemm", "quantize", "rht_quantize",
+                                                                 "attention"}
     for name, attrs in compact.nodes(data=True):
-        if attrs["kind"] == "rht":  # RHT -> quantize -> wgrad
-            (quantize,) = compact.successors(name)
-            (gemm,) = compact.successors(quantize)
+        if attrs["kind"] == "rht_quantize":  # RHT + quantize -> wgrad
+            assert attrs["label"].startswith("RHT + quantize d") or attrs["label"].startswith("RHT + quantize X")
+            (gemm,) = compact.successors(name)
             assert compact.nodes[gemm]["role"] == "wgrad" and compact.nodes[gemm]["site"] == attrs["site"]
 
     dot = report.to_dot("backward")
     assert dot.startswith('digraph "graph0_backward" {') and dot.rstrip().endswith("}")
     colour = {kind: fill for kind, (fill, _) in fp4compile.report.NODE_KINDS.items()}
     assert dot.count(f'fillcolor="{colour["fp4_gemm"]}"') == 8
-    assert dot.count(f'fillcolor="{colour["rht"]}"') == 8
-    assert dot.count(f'fillcolor="{colour["quantize"]}"') == 16
+    assert dot.count(f'fillcolor="{colour["rht_quantize"]}"') == 8
+    assert dot.count(f'fillcolor="{colour["quantize"]}"') == 8
     assert dot.count(f'fillcolor="{colour["high_gemm"]}"') == 18
     assert dot.count(" -> ") == graph.number_of_edges()
 
@@ -331,7 +344,7 @@ def test_cli_in_a_subprocess(factory_file):
         capture_output=True, text=True, timeout=300, cwd=TESTS.parent,
     )
     assert result.returncode == 0, result.stderr
-    assert "func.func @graph" in result.stdout and 'torch.operator "torch.fp4.rht"' in result.stdout
+    assert "func.func @graph" in result.stdout and 'torch.operator "torch.fp4.rht_quantize"' in result.stdout
 
 
 def test_cli_pipeline(capsys):

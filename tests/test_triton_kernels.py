@@ -344,3 +344,41 @@ def test_gpu_given_amax_non_finite():
     assert_same_quantization(*out, formats.quantize(x, rounding="sr", seed=8, amax=amax))
     out = tk.quantize_wgrad_operand(x.cuda(), "sr", seed=8, amax=amax.cuda())
     assert_same_quantization(*out, wgrad_reference(x, "sr", seed=8, amax=amax))
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused fp4.rht_quantize op the weight-gradient operands use
+# ----------------------------------------------------------------------------------------------
+
+
+def _op_reference(x, rounding, seed):
+    """fp4.quantize(fp4.rht(x)) on the CPU: the two unfused ops, same SR stream."""
+    import fp4compile  # noqa: F401  (registers the ops)
+
+    return torch.ops.fp4.quantize(torch.ops.fp4.rht(x.cpu(), 16), "nvfp4", "1x16", rounding, seed, "")
+
+
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_rht_quantize_op_equals_the_two_ops_on_cpu(rounding):
+    x = sample((48, 64), torch.bfloat16, seed=30)
+    got = torch.ops.fp4.rht_quantize(x, 16, "nvfp4", "1x16", rounding, 1234, "")
+    for g, w in zip(got, _op_reference(x, rounding, 1234)):
+        assert torch.equal(g, w)
+    with pytest.raises(FloatingPointError, match="layer 'l' wgrad operand X"):
+        x[3, 5] = float("nan")
+        torch.ops.fp4.rht_quantize(x, 16, "nvfp4", "1x16", rounding, 1234, "layer 'l' wgrad operand X")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_gpu_rht_quantize_op_takes_the_fused_kernel(rounding):
+    from fp4compile import runtime
+
+    tokens = sample((2048, 768), torch.bfloat16, seed=31)  # [tokens, K]: the wgrad operand is its transpose
+    assert runtime.rht_quantize_kernel(tokens.cuda().t(), 16, "nvfp4", "1x16") is not None
+    want = _op_reference(tokens.t(), rounding, 99)
+    for operand in (tokens.cuda().t(), tokens.t().contiguous().cuda()):  # transposed view and contiguous
+        got = torch.ops.fp4.rht_quantize(operand, 16, "nvfp4", "1x16", rounding, 99, "")
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu(), w)
