@@ -6,7 +6,7 @@ says whether it can take the call and why not. The choice and its reason are sto
 | kernel name | where | what |
 |---|---|---|
 | ``cutlass:<config>`` | sm_100 GPUs with CUDA torch | generated CUTLASS SM100 block-scaled NVFP4 GEMM |
-| ``emulation`` | everywhere | block-decode both operands (exact), matmul with fp32 accumulation, alpha; on CUDA a BF16 GEMM with fp32 output on Triton-decoded operands |
+| ``emulation`` | everywhere | block-decode both operands (exact), matmul with fp32 accumulation, alpha; on CUDA a BF16 GEMM with fp32 output on the decoded operands (Triton-decoded for NVFP4) |
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from fp4compile import ops, runtime
+from fp4compile import formats, ops, runtime
 
 log = logging.getLogger("fp4compile")
 
@@ -98,12 +98,17 @@ def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: st
 
         config = cutlass_gemm.GemmConfig.from_name(kernel.split(":", 1)[1])
         return cutlass_gemm.scaled_mm(config, a, a_scales, a_amax, b, b_scales, b_amax)
-    if a.is_cuda and fmt == "nvfp4" and a.dim() == 2 and b.dim() == 2:
+    if a.is_cuda and a.dim() == 2 and b.dim() == 2:
+        # Block-decoded operands are exact in BF16 (every E2M1 x E4M3 and E2M1 x E8M0 product is): a
+        # BF16 GEMM with fp32 output accumulates the same products at tensor-core speed, alpha after.
+        if fmt == "mxfp4":
+            qa = ops._qtensor(a, a_scales, a_amax, fmt, "1x32", (a.shape[0], a.shape[1] * 2))
+            qb = ops._qtensor(b, b_scales, b_amax, fmt, "1x32", (b.shape[0], b.shape[1] * 2))
+            a_bd, b_bd = (formats.block_decode(q).to(torch.bfloat16) for q in (qa, qb))
+            return torch.mm(a_bd, b_bd.t(), out_dtype=torch.float32).to(out_dtype)
         from . import triton_kernels
 
         if triton_kernels.available()[0]:
-            # Block-decoded operands are exact in BF16 (every E2M1 x E4M3 product is): a BF16 GEMM
-            # with fp32 output accumulates the same products at tensor-core speed, alpha after.
             return triton_kernels.emulated_scaled_mm(
                 triton_kernels.block_decode(a, a_scales), a_amax, triton_kernels.block_decode(b, b_scales), b_amax,
                 out_dtype,

@@ -82,6 +82,7 @@ CONFIGS = {
     "rht_amax": dict(BLOCK_M=128, BLOCK_K=64, ITERS=4, num_warps=4),
     "rht_quantize": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
     "decode": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
+    "quantize_mx": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
     "epilogue": dict(BLOCK=4096, num_warps=8),
 }
 
@@ -383,6 +384,49 @@ if triton is not None:
             )
             if PASS == 1:
                 tl.atomic_max(own_ptr, tile_amax_bits)
+
+    # ------------------------------------------------------------------------------------------
+    # MXFP4: 1x32 blocks with E8M0 (power-of-two) scales, no global scale
+    # ------------------------------------------------------------------------------------------
+
+    @_jit(do_not_specialize=("seed_lo", "seed_hi"))
+    def _quantize_mx_kernel(
+        x_ptr, data_ptr, scales_ptr, M, K, stride_xm, seed_lo, seed_hi,
+        SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """``formats.quantize(x, "mxfp4", "1x32")``: scale 2**(floor(log2 bamax) - 2) clamped to
+        [2**-127, 2**127], code of x / scale. Non-finite blocks get scale byte 0xFF (NaN) and are
+        encoded as the reference does (an Inf block with 2**-3, a NaN block with 2**-127)."""
+        NB: tl.constexpr = BLOCK_K // 32
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        row_ok = rows < M
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x3 = tl.reshape(x.to(tl.float32), (BLOCK_M, NB, 32))
+        bits = tl.max(_abs_bits(x3), axis=2)  # [BLOCK_M, NB]; NaN sorts above Inf
+        # floor(log2 bamax) - 2 from the exponent field; zero and subnormal maxima clamp to -127.
+        exp = tl.maximum((bits >> 23) - 129, -127)
+        exp = tl.where(bits > 0x7F800000, -127, tl.where(bits == 0x7F800000, -3, exp))
+        scale_code = tl.where(bits >= 0x7F800000, 255, exp + 127).to(tl.uint8)
+        # x / 2**exp, exactly: a multiplication by the (normal) power of two 2**-exp.
+        inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+        v = x3 * inv_scale[:, :, None]
+        if SR:
+            index = tl.reshape(rows.to(tl.int64)[:, None] * K + cols[None, :], (BLOCK_M, NB, 32))
+            code, _ = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
+        else:
+            code, _ = _e2m1_rne(v)
+        code = tl.where(v == v, code, 0).to(tl.uint8)  # NaN: index 0, as the reference's comparisons give
+        lo, hi = tl.split(tl.reshape(code, (BLOCK_M, BLOCK_K // 2, 2)))
+        pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        pmask = row_ok[:, None] & (pcols < K // 2)[None, :]
+        tl.store(data_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], lo | (hi << 4), mask=pmask)
+        scols = pid_k * NB + tl.arange(0, NB)
+        smask = row_ok[:, None] & (scols < K // 32)[None, :]
+        tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (K // 32) + scols[None, :], scale_code, mask=smask)
 
     # ------------------------------------------------------------------------------------------
     # Weight-gradient operand: quantize(RHT(x^T)) with 16-token RHT chunks = 16-token blocks
@@ -791,6 +835,29 @@ def quantize_wgrad_operand(
     return _quantize_wgrad(x, rounding, seed, amax, swizzle, fake=False)
 
 
+def quantize_mxfp4(
+    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 with 1x32 blocks along the last dim: (codes uint8 [..., K/2], E8M0 scale bytes [..., K/32],
+    amax = max |x| fp32 0-dim). Bit for bit ``formats.quantize(x, "mxfp4", "1x32", rounding, seed=seed)``
+    (the amax is what ``fp4.quantize`` reports for MXFP4: the format itself has no global scale)."""
+    _require_triton()
+    x2 = _as_rows(x, "quantize_mxfp4", cols_multiple=32)
+    m, k = x2.shape
+    cfg = CONFIGS["quantize_mx"]
+    seed_lo, seed_hi = _seed_halves(rounding, seed)
+    data = torch.empty((m, k // 2), dtype=torch.uint8, device=x2.device)
+    scales = torch.empty((m, k // 32), dtype=torch.uint8, device=x2.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    _quantize_mx_kernel[grid](
+        x2, data, scales, m, k, x2.stride(0), seed_lo, seed_hi,
+        SR=rounding == "sr", BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
+    )
+    amax = _amax_bits(x2).view(torch.float32).reshape(())
+    lead = x.shape[:-1]
+    return data.reshape(*lead, k // 2), scales.reshape(*lead, k // 32), amax
+
+
 def fake_quantize_1x16(
     x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -879,14 +946,18 @@ def emulated_scaled_mm(
 
 
 def quantize_provider(x: torch.Tensor, fmt: str, block: str):
-    """A quantize provider for ``runtime.register_quantize_provider``: these kernels for NVFP4 on CUDA.
+    """A quantize provider for ``runtime.register_quantize_provider``: these kernels for NVFP4 and MXFP4 on CUDA.
 
     Returns a callable (x, rounding, seed) -> (data, scales, amax), or None where it cannot take the call.
     """
-    if fmt != "nvfp4" or block not in ("1x16", "16x16") or not x.is_cuda or x.dtype not in _INPUT_DTYPES:
+    if (fmt, block) not in (("nvfp4", "1x16"), ("nvfp4", "16x16"), ("mxfp4", "1x32")):
         return None
-    if not available()[0] or x.dim() < 2 or x.shape[-1] % 16 or (block == "16x16" and x.shape[-2] % 16):
+    if not x.is_cuda or x.dtype not in _INPUT_DTYPES or not available()[0] or x.dim() < 2 or x.numel() == 0:
         return None
+    if x.shape[-1] % (32 if fmt == "mxfp4" else 16) or (block == "16x16" and x.shape[-2] % 16):
+        return None
+    if fmt == "mxfp4":
+        return lambda x, rounding, seed: quantize_mxfp4(x, rounding, seed)
     if block == "1x16":
         return lambda x, rounding, seed: quantize_1x16(x, rounding, seed)
     return lambda x, rounding, seed: quantize_16x16(x, rounding, seed)

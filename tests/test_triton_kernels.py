@@ -382,3 +382,61 @@ def test_gpu_rht_quantize_op_takes_the_fused_kernel(rounding):
         got = torch.ops.fp4.rht_quantize(operand, 16, "nvfp4", "1x16", rounding, 99, "")
         for g, w in zip(got, want):
             assert torch.equal(g.cpu(), w)
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP4
+# ----------------------------------------------------------------------------------------------
+
+
+def _mx_special_values(dtype):
+    x = special_values(dtype)
+    x[5, :32] = 0.0
+    x[6, 32:] = float("inf")  # an Inf block: scale NaN, codes as the reference computes them
+    x[7, 3] = float("-inf")
+    x[8, 40] = float("nan")
+    # Subnormal block maxima (the interpreter reads bf16 subnormals as zero, so bf16 gets them on the GPU only).
+    x[9, :32] = torch.finfo(dtype).tiny / (4 if dtype != torch.bfloat16 or CUDA else 0.25)
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_quantize_mxfp4(dtype, rounding):
+    for x in (sample((32, 128), dtype, seed=40), _mx_special_values(dtype)):
+        data, scales, amax = tk.quantize_mxfp4(x.to(DEVICE), rounding, seed=BIG_SEED)
+        ref = formats.quantize(x, "mxfp4", "1x32", rounding, seed=BIG_SEED)
+        assert scales.shape == (x.shape[0], x.shape[1] // 32)
+        assert torch.equal(scales.cpu(), ref.scales.view(torch.uint8))
+        codes, ref_codes = formats.unpack_e2m1(data.cpu()), ref.codes()
+        nan = torch.isnan(formats.block_decode(ref))
+        same = torch.where(nan, (codes & 7) == (ref_codes & 7), codes == ref_codes)
+        assert same.all(), f"{int((~same).sum())} codes differ, first at {(~same).nonzero()[0].tolist()}"
+        want = x.float().abs().amax()
+        assert torch.equal(amax.cpu(), want) or (amax.isnan().item() and want.isnan().item())
+
+
+def test_mxfp4_provider_and_shape_errors():
+    x = torch.zeros(4, 48, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        tk.quantize_mxfp4(x)
+    assert tk.quantize_provider(torch.zeros(4, 64), "mxfp4", "1x32") is None  # CPU tensors: the reference
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_gpu_mxfp4_large(rounding):
+    x = sample((1024, 2048), torch.bfloat16, seed=41, spread=4.0)
+    data, scales, amax = tk.quantize_mxfp4(x.cuda(), rounding, seed=5)
+    ref = formats.quantize(x, "mxfp4", "1x32", rounding, seed=5)
+    assert torch.equal(scales.cpu(), ref.scales.view(torch.uint8))
+    assert torch.equal(formats.unpack_e2m1(data.cpu()), ref.codes())
+    for dtype in DTYPES:
+        x = _mx_special_values(dtype).repeat(4, 4)
+        data, scales, amax = tk.quantize_mxfp4(x.cuda(), rounding, seed=6)
+        ref = formats.quantize(x, "mxfp4", "1x32", rounding, seed=6)
+        assert torch.equal(scales.cpu(), ref.scales.view(torch.uint8))
+        nan = torch.isnan(formats.block_decode(ref))
+        codes, ref_codes = formats.unpack_e2m1(data.cpu()), ref.codes()
+        assert torch.where(nan, (codes & 7) == (ref_codes & 7), codes == ref_codes).all()
