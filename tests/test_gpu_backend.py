@@ -41,7 +41,7 @@ def test_gpu_compiled_linear_matches_cpu(inner, fmt, fresh_dynamo):
         runtime.manual_seed(5)
         m = Proj().to(device)
         m.load_state_dict(model.state_dict())
-        xd = x.to(device).requires_grad_()
+        xd = x.detach().to(device).requires_grad_()  # a leaf on each device
         backend = Backend(inner=inner, fmt=fmt, high_precision_first_blocks=0, high_precision_last_blocks=0,
                           rht=fmt == "nvfp4")
         y = torch.compile(m, backend=backend)(xd)
