@@ -1,4 +1,4 @@
-"""The training-study tooling in examples/: corpus, GPT, train_gpt.py and plot_runs.py."""
+"""The training-study tooling in examples/: corpus, GPT, train_gpt.py, plot_runs.py and run_study.py."""
 
 import dataclasses
 import json
@@ -15,6 +15,7 @@ sys.path.insert(0, str(EXAMPLES))
 import corpus  # noqa: E402
 import gpt  # noqa: E402
 import plot_runs  # noqa: E402
+import run_study  # noqa: E402
 import train_gpt  # noqa: E402
 
 # Small shapes so that a training run takes seconds on a CPU; one thread, since shapes this small gain
@@ -235,3 +236,31 @@ def test_relative_gap_matches_steps():
     steps, gap = plot_runs.relative_gap([1, 2, 3], [2.2, 1.1, 3.0], [2, 3, 4], [1.0, 2.0, 9.0])
     assert steps == [2, 3] and gap == pytest.approx([0.1, 0.5])
     assert plot_runs.smooth([1.0, 1.0, 1.0], 0.9) == pytest.approx([1.0, 1.0, 1.0])
+
+
+# ------------------------------------------------------------------------------------- run_study
+
+
+def test_run_study_commands():
+    args = run_study.parse_args(["--out-dir", "out", "--switch-fraction", "0.8", "--", "--steps", "50", "--preset", "tiny"])
+    assert args.configs == [c for c in run_study.CONFIGS if c != "nvfp4-fwd-only"]
+    cmd = run_study.command("nvfp4-bf16-switch", args)
+    assert cmd[-8:] == ["--precision", "nvfp4", "--bf16-switch-at", "40", "--name", "nvfp4-bf16-switch",
+                        "--out", str(Path("out") / "nvfp4-bf16-switch.json")]
+    assert cmd[2:6] == ["--steps", "50", "--preset", "tiny"]
+    for name in run_study.CONFIGS:  # every configuration is a valid train_gpt.py command line
+        train_gpt.parse_args(run_study.command(name, args)[2:])
+    with pytest.raises(SystemExit):
+        run_study.parse_args(["--", "--out", "x.json"])
+
+
+def test_run_study_runs_side_by_side(tmp_path, capfd):
+    quick = [a for a in QUICK if a != "--quiet"]
+    rc = run_study.main(["--out-dir", str(tmp_path), "--configs", "bf16", "nvfp4", "--parallel", "2", "--", *quick])
+    assert rc == 0
+    out = capfd.readouterr().out  # the plot step is a subprocess
+    assert "bf16: done" in out and "nvfp4: done" in out and "| nvfp4 | 3 |" in out
+    for name in ("bf16", "nvfp4"):
+        run = json.loads((tmp_path / f"{name}.json").read_text())
+        assert run["name"] == name and run["summary"]["steps"] == 3
+    assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "gap.png").stat().st_size > 0
