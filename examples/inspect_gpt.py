@@ -40,12 +40,12 @@ def gpt(preset: str = "tiny") -> GPT:
 
 def mlir_excerpt(mlir: str) -> str:
     """The backward function's header and its first FP4 weight-gradient GEMM: the transposed operands,
-    RHT on both, quantize (dY^T with SR, X^T round-to-nearest) and the block-scaled GEMM."""
+    RHT + quantize of both (dY^T with SR, X^T round-to-nearest) and the block-scaled GEMM."""
     lines = mlir.splitlines()
     header = next(i for i, line in enumerate(lines) if "func.func" in line)
-    first_rht = next(i for i, line in enumerate(lines) if '"torch.fp4.rht"' in line)
-    gemm = next(i for i in range(first_rht, len(lines)) if '"torch.fp4.scaled_mm"' in lines[i])
-    start = first_rht - 3  # the two transposed operands and the RHT size
+    first = next(i for i, line in enumerate(lines) if '"torch.fp4.rht_quantize"' in line)
+    gemm = next(i for i in range(first, len(lines)) if '"torch.fp4.scaled_mm"' in lines[i])
+    start = next(i for i in range(first, 0, -1) if "torch.aten.t " in lines[i] and "torch.aten.t " in lines[i - 1]) - 1
     return "\n".join([lines[header][:120] + " ...", "    ...", *lines[start:gemm + 1], "    ..."])
 
 

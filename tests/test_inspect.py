@@ -374,3 +374,19 @@ def test_cli_bad_recipe_option(factory_file, capsys):
     argv = ["inspect", f"{factory_file}:build", "--input-shape", "2x32", "--recipe-option", "rhtt=false"]
     assert cli.main(argv) == 2
     assert "unknown nvfp4 backend options ['rhtt']" in capsys.readouterr().err
+
+
+def test_inspect_gpt_example_prints_table_and_mlir_excerpt(capsys, tmp_path):
+    import importlib.util
+
+    torch._dynamo.reset()
+    spec = importlib.util.spec_from_file_location("inspect_gpt", TESTS.parent / "examples" / "inspect_gpt.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--image", str(tmp_path / "g.png"), "--seq-len", "32"])
+    out = capsys.readouterr().out
+    assert "17 GEMM sites in 4 blocks; nvfp4: 24 GEMMs" in out
+    excerpt = out[out.index("func.func @graph0_backward"):]
+    assert excerpt.count('torch.operator "torch.fp4.rht_quantize"') == 2
+    assert excerpt.count("torch.aten.t ") == 2 and excerpt.count('torch.operator "torch.fp4.scaled_mm"') == 1
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
