@@ -689,6 +689,18 @@ def test_sr_random_bits_match_the_documented_hash(seed):
         assert int(bits[i]) == ref.sr_bits(i, seed), (i, seed)
 
 
+@pytest.mark.parametrize("seed", [0, 3, 2**32 - 1, 2**40 + 3, 2**64 - 1])
+def test_sr_random_bits_cpu_path_equals_the_tensor_path(seed):
+    # On CPU the bits are computed in numpy uint32; on other devices in int64 tensor arithmetic
+    # (the path taken here through the meta-free int64 formula, on CPU tensors).
+    n = 5000
+    idx = torch.arange(n, dtype=torch.int64)
+    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    want = formats._hash32(formats._hash32((idx & 0xFFFFFFFF) ^ k0) ^ ((idx >> 32) ^ k1))
+    assert torch.equal(formats.sr_random_bits(n, seed), want)
+    assert torch.equal(formats.sr_random_bits(n, seed, device="cpu"), want)
+
+
 def test_sr_random_bits_known_values():
     # lowbias32(0) == 0, so element 0 of seed 0 draws 0.
     bits = formats.sr_random_bits(4, 0).tolist()
