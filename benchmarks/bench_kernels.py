@@ -81,6 +81,10 @@ def cases(n: int) -> list[Case]:
             "dequantize to bf16", lambda s: tk.dequantize(s["data"], s["scales"], s["amax"], torch.bfloat16),
             n // 2 + n // 16 + 4 + 2 * n, "decode",
         ),
+        # MXFP4 has no global scale: one quantizing pass (plus the amax fp4.quantize reports).
+        Case("quantize_mxfp4 rne", lambda s: tk.quantize_mxfp4(s["x"]), 2 * n + n // 2 + n // 32 + 4, "quantize_mx"),
+        Case("quantize_mxfp4 sr", lambda s: tk.quantize_mxfp4(s["x"], "sr", SEED), 2 * n + n // 2 + n // 32 + 4,
+             "quantize_mx"),
     ]
 
 
@@ -216,6 +220,15 @@ def check_all(state, outputs: dict) -> dict:
             result[name] = same_bits(out[0], formats.block_decode(ref["rne"]).to(torch.bfloat16))
         elif name == "fake_quantize_wgrad sr":
             result[name] = same_bits(out[0], formats.block_decode(ref["wgrad sr"]).to(torch.bfloat16))
+        elif name.startswith("quantize_mxfp4"):
+            mx = formats.quantize(xc, "mxfp4", "1x32", "sr" if name.endswith(" sr") else "rne", seed=SEED)
+            data, scales, amax = (t.cpu() for t in out)
+            problems = [what for what, same in (
+                ("codes", torch.equal(data, mx.data.view(torch.uint8))),
+                ("scales", torch.equal(scales, mx.scales.view(torch.uint8))),
+                ("amax", torch.equal(amax, amax_x)),
+            ) if not same]
+            result[name] = f"{', '.join(problems)} differ" if problems else ""
         elif name.startswith("dequantize"):
             result[name] = same_bits(out, formats.dequantize(ref["rne"], torch.bfloat16))
         elif name.startswith("inductor"):
