@@ -30,7 +30,7 @@ class KernelChoice:
 
 
 def _triton_quantize_provider(x, fmt: str, block: str):
-    """Fused Triton quantizers take NVFP4 quantize calls on CUDA tensors (bit-exact with formats).
+    """Fused Triton quantizers take NVFP4 and MXFP4 quantize calls on CUDA tensors (bit-exact with formats).
 
     Triton is imported on the first CUDA call only, so importing fp4compile stays light.
     """

@@ -55,6 +55,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     args = p.parse_args(argv)
     if "--out" in train_args or "--name" in train_args:
         p.error("--out and --name are set per run by this script")
+    if args.parallel < 1:
+        p.error("--parallel must be at least 1")
+    args.configs = list(dict.fromkeys(args.configs))  # each run once
     args.train_args = train_args
     return args
 
@@ -85,30 +88,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     pending = list(args.configs)
     running: dict[str, tuple[subprocess.Popen, float]] = {}
+    logs = {}
     finished: dict[str, tuple[int, float]] = {}
     start = time.monotonic()
     last_status = 0.0
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    while pending or running:
-        while pending and len(running) < args.parallel:
-            name = pending.pop(0)
-            log = open(args.out_dir / f"{name}.log", "w")
-            cmd = command(name, args)
-            log.write(" ".join(cmd) + "\n")
-            log.flush()
-            running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.monotonic())
-        for name, (proc, t0) in list(running.items()):
-            if proc.poll() is not None:
-                finished[name] = (proc.returncode, time.monotonic() - t0)
-                del running[name]
-                state = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}), see {name}.log"
-                print(f"[{time.monotonic() - start:6.0f} s] {name}: {state} in {finished[name][1]:.0f} s", flush=True)
-        now = time.monotonic()
-        if running and now - last_status >= args.refresh:
-            last_status = now
-            for name in running:
-                print(f"[{now - start:6.0f} s] {name:18s} {_last_line(args.out_dir / f'{name}.log')}", flush=True)
-        time.sleep(0.5)
+    try:
+        while pending or running:
+            while pending and len(running) < args.parallel:
+                name = pending.pop(0)
+                logs[name] = log = open(args.out_dir / f"{name}.log", "w")
+                cmd = command(name, args)
+                log.write(" ".join(cmd) + "\n")
+                log.flush()
+                running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.monotonic())
+            for name, (proc, t0) in list(running.items()):
+                if proc.poll() is not None:
+                    finished[name] = (proc.returncode, time.monotonic() - t0)
+                    del running[name]
+                    logs.pop(name).close()
+                    state = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}), see {name}.log"
+                    print(f"[{time.monotonic() - start:6.0f} s] {name}: {state} in {finished[name][1]:.0f} s", flush=True)
+            now = time.monotonic()
+            if running and now - last_status >= args.refresh:
+                last_status = now
+                for name in running:
+                    print(f"[{now - start:6.0f} s] {name:18s} {_last_line(args.out_dir / f'{name}.log')}", flush=True)
+            time.sleep(0.5)
+    finally:  # interrupted (Ctrl-C, an error): stop the runs still going
+        for proc, _ in running.values():
+            proc.terminate()
+        for proc, _ in running.values():
+            proc.wait()
+        for log in logs.values():
+            log.close()
     runs = [args.out_dir / f"{n}.json" for n in args.configs if finished[n][0] == 0]
     if runs:
         subprocess.run([sys.executable, str(HERE / "plot_runs.py"), *map(str, runs), "--out-dir", str(args.out_dir)],

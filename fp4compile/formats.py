@@ -209,7 +209,8 @@ def sr_random_bits(numel: int, seed: int, device=None) -> torch.Tensor:
     """
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     k0, k1 = seed & _M32, (seed >> 32) & _M32
-    if torch.device(device if device is not None else "cpu").type == "cpu" and numel <= 2**32:
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type == "cpu" and numel <= 2**32:
         # The same function in uint32 arithmetic: a few times faster than the int64 emulation below.
         x = np.arange(numel, dtype=np.uint32)
         x ^= np.uint32(k0)

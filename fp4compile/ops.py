@@ -108,8 +108,11 @@ def rht_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fp4.quantize(fp4.rht(x, size), ...)`` in one op: what the weight-gradient operands need.
 
-    Same bits as the two ops (same SR stream). Where a fused kernel takes the call (NVFP4 on CUDA: one
-    Triton kernel reads x once per pass, transforms, and quantizes) the RHT output is never written out.
+    The bits of the CPU reference ``formats.quantize(formats.rht(x, size), ...)``, with the SR stream of
+    the two ops. Where a fused kernel takes the call (NVFP4 on CUDA: a Triton kernel pair that reads x,
+    transforms it summing in the reference's order, and quantizes) the RHT output is never written
+    out. Elsewhere the op runs ``formats.rht`` and then the quantizer; on a CUDA tensor that RHT is a
+    cuBLAS fp32 matmul, whose summation order is cuBLAS's own.
     """
     stream = runtime.sr_seed(seed) if rounding == "sr" else 0
     kernel = runtime.rht_quantize_kernel(x, size, fmt, block)
@@ -118,7 +121,8 @@ def rht_quantize(
     else:
         data, scales, amax = _quantize(formats.rht(x, size), fmt, block, rounding, stream)
     if check and not bool(torch.isfinite(amax)):
-        runtime.raise_non_finite(check, x)
+        # Count in the transformed operand, as the unfused ops do: a finite x can overflow in the RHT.
+        runtime.raise_non_finite(check, formats.rht(x, size))
     return data, scales, amax
 
 

@@ -3,11 +3,13 @@
 Requires: ``insert_rht`` and ``insert_quantize`` (runs after ``lower_scaled_mm``).
 Guarantees: every ``fp4.quantize`` whose input is an ``fp4.rht`` node used by nothing else is replaced
 by ``fp4.rht_quantize(x, size, fmt, block, rounding, seed, check)`` with the same seed and check label,
-so the bits are those of the two ops; the ``fp4.rht`` node is removed. The quantize metadata stays on
+so the bits are those of the CPU reference of the two ops; the ``fp4.rht`` node is removed. The quantize metadata stays on
 the new node, with ``rht`` set to the transform size. Operands quantized with a sharded amax
 (``fp4.quantize_sharded``) keep their separate RHT. On CUDA the fused op is one Triton kernel pair
-(amax after the transform, then transform and quantize) that reads the untransposed operand and never
-writes the transformed tensor; elsewhere it computes the two steps in turn.
+(amax after the transform, then transform and quantize) that reads the untransposed operand, sums the
+RHT in the reference's order and never writes the transformed tensor; elsewhere it computes the two
+steps in turn (on a CUDA tensor the separate RHT is a cuBLAS matmul, whose fp32 summation order is its
+own: the fused kernel is the one that reproduces the CPU bits there).
 """
 
 from __future__ import annotations

@@ -252,6 +252,9 @@ def test_run_study_commands():
         train_gpt.parse_args(run_study.command(name, args)[2:])
     with pytest.raises(SystemExit):
         run_study.parse_args(["--", "--out", "x.json"])
+    with pytest.raises(SystemExit):
+        run_study.parse_args(["--parallel", "0"])
+    assert run_study.parse_args(["--configs", "nvfp4", "bf16", "nvfp4"]).configs == ["nvfp4", "bf16"]
 
 
 def test_run_study_runs_side_by_side(tmp_path, capfd):

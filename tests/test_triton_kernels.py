@@ -367,6 +367,11 @@ def test_rht_quantize_op_equals_the_two_ops_on_cpu(rounding):
     with pytest.raises(FloatingPointError, match="layer 'l' wgrad operand X"):
         x[3, 5] = float("nan")
         torch.ops.fp4.rht_quantize(x, 16, "nvfp4", "1x16", rounding, 1234, "layer 'l' wgrad operand X")
+    # A finite operand that overflows in the transform: the error counts the transformed values.
+    big = torch.full((32, 16), 60000.0, dtype=torch.float16)
+    with pytest.raises(FloatingPointError, match=r"0 NaN, (\d+) Inf") as err:
+        torch.ops.fp4.rht_quantize(big, 16, "nvfp4", "1x16", rounding, 1, "layer 'l' wgrad operand dY^T")
+    assert int(err.value.args[0].split(" NaN, ")[1].split(" Inf")[0]) > 0
 
 
 @pytest.mark.gpu
