@@ -478,7 +478,7 @@ if triton is not None:
         x5, x13 = _halves(i5_8)
         x3, x11 = _halves(i3_8)
         x7, x15 = _halves(i7_8)
-        # Fused multiply-adds in the order i = 0..15, as the CPU matmul (MKL) of formats.rht accumulates.
+        # Fused multiply-adds in the order i = 0..15, the summation order of formats.rht.
         acc = tl.zeros((BLOCK_M // 16, 16, BLOCK_K), tl.float32)
         acc = _rht_step(acc, x0, 0)
         acc = _rht_step(acc, x1, 1)

@@ -378,14 +378,41 @@ def hadamard_matrix(size: int = 16, signs=None, device=None) -> torch.Tensor:
 def rht(x: torch.Tensor, size: int = 16, signs=None) -> torch.Tensor:
     """Blockwise random Hadamard transform along the last dim: each ``size`` chunk c -> c @ H.
 
-    Computed in float32, returned in ``x.dtype``. Applying it to both operands along a GEMM's
-    reduction dim leaves the product unchanged (H is orthogonal).
+    Computed in float32 with a fixed summation order, the same on every device: for each output j,
+    ``acc = 0; acc = fma(c[i], H[i, j], acc) for i = 0 .. size-1`` (fused multiply-adds, one float32
+    rounding per step), returned in ``x.dtype``. Applying it to both operands along a GEMM's reduction
+    dim leaves the product unchanged (H is orthogonal).
     """
     if x.shape[-1] % size:
         raise ValueError(f"RHT of size {size} needs the last dim to be a multiple of {size}, got shape {tuple(x.shape)}")
     h = hadamard_matrix(size, signs, device=x.device)
     xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // size, size)
-    return (xf @ h).reshape(x.shape).to(x.dtype)
+    acc = torch.zeros_like(xf)
+    if _rht_products_exact(x, xf, size):
+        # Every product c[i] * H[i, j] is exact in float32, so multiply-then-add rounds once per step,
+        # as the fused multiply-add does.
+        for i in range(size):
+            acc = acc + xf[..., i : i + 1] * h[i]
+    else:
+        # fma in float64: the product of two floats is exact there, and a sum of two floats rounded to
+        # float64 and then to float32 is the correctly rounded float32 sum (float64 has more than
+        # 2 * 24 + 2 significant bits).
+        h64 = h.double()
+        for i in range(size):
+            acc = (acc.double() + xf[..., i : i + 1].double() * h64[i]).float()
+    return acc.reshape(x.shape).to(x.dtype)
+
+
+def _rht_products_exact(x: torch.Tensor, xf: torch.Tensor, size: int) -> bool:
+    """Whether every x * H[i, j] is exact in float32: H = +-2**-k (size a power of 4) and x has at most
+    the 11 (fp16) or 8 (bf16) significant bits of its dtype, or is a float32 tensor on the CPU without
+    magnitudes below 2**-124 (where x * 2**-k could drop bits into the subnormal range)."""
+    if (size & 0x55555555) == 0:  # 1/sqrt(size) is not a power of two
+        return False
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return True
+    tiny = (xf != 0) & (xf.abs() < 2.0**-124)
+    return xf.device.type == "cpu" and not bool(tiny.any())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -111,8 +111,7 @@ def rht_quantize(
     The bits of the CPU reference ``formats.quantize(formats.rht(x, size), ...)``, with the SR stream of
     the two ops. Where a fused kernel takes the call (NVFP4 on CUDA: a Triton kernel pair that reads x,
     transforms it summing in the reference's order, and quantizes) the RHT output is never written
-    out. Elsewhere the op runs ``formats.rht`` and then the quantizer; on a CUDA tensor that RHT is a
-    cuBLAS fp32 matmul, whose summation order is cuBLAS's own.
+    out. Elsewhere the op runs ``formats.rht`` and then the quantizer.
     """
     stream = runtime.sr_seed(seed) if rounding == "sr" else 0
     kernel = runtime.rht_quantize_kernel(x, size, fmt, block)

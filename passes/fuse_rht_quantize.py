@@ -8,8 +8,7 @@ the new node, with ``rht`` set to the transform size. Operands quantized with a 
 (``fp4.quantize_sharded``) keep their separate RHT. On CUDA the fused op is one Triton kernel pair
 (amax after the transform, then transform and quantize) that reads the untransposed operand, sums the
 RHT in the reference's order and never writes the transformed tensor; elsewhere it computes the two
-steps in turn (on a CUDA tensor the separate RHT is a cuBLAS matmul, whose fp32 summation order is its
-own: the fused kernel is the one that reproduces the CPU bits there).
+steps in turn.
 """
 
 from __future__ import annotations

@@ -912,6 +912,27 @@ def test_rht_custom_signs():
     assert torch.allclose(y.double(), x.double() @ torch.from_numpy(ref.hadamard16(signs)), atol=1e-6)
 
 
+def test_rht_is_a_chain_of_fused_multiply_adds():
+    # x0 = 4 and x1 = 2 smallest subnormals: x1 * (1/4) is half a subnormal step, which a separate
+    # multiply would round away (to even: 0) before the add; the fused multiply-add keeps it and rounds
+    # the sum once: 1.5 steps -> 2 (even) where H[1, j] = +1/4, 0.5 steps -> 0 where it is -1/4.
+    step = 2.0**-149
+    x = torch.zeros(1, 16)
+    x[0, 0], x[0, 1] = 4 * step, 2 * step
+    y = formats.rht(x)[0]
+    h = formats.hadamard_matrix()
+    for j in range(16):
+        assert y[j].item() == (2 * step if h[1, j] > 0 else 0.0), j
+    # Away from the subnormal range, products by +-1/4 are exact: the same as the float64 path.
+    x = randn(8, 64, seed=9) * 100
+    want = torch.zeros(8, 4, 16)
+    xf = x.reshape(8, 4, 16)
+    for i in range(16):
+        want = (want.double() + xf[..., i : i + 1].double() * h[i].double()).float()
+    assert torch.equal(formats.rht(x), want.reshape(8, 64))
+    assert torch.equal(formats.rht(x.to(torch.bfloat16)), formats.rht(x.to(torch.bfloat16).float()).to(torch.bfloat16))
+
+
 def test_rht_bad_sizes_raise():
     with pytest.raises(ValueError):
         formats.rht(torch.zeros(2, 24))

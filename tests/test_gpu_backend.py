@@ -2,9 +2,8 @@
 same compiled model on the CPU (reference quantizers). Skipped without a GPU.
 
 One linear layer, so both devices quantize identical operands: the codes and scales are the same bits,
-and the outputs and gradients differ only by the GEMMs' fp32 summation order. NVFP4's RHT is fused
-into a Triton kernel that sums in the reference's order; MXFP4 runs the RHT as a cuBLAS matmul,
-whose fp32 summation order is its own, so its case runs without the RHT.
+and the outputs and gradients differ only by the GEMMs' fp32 summation order. The MXFP4 case runs
+without the RHT (its transform is ``formats.rht`` on both devices, covered by the CPU tests).
 """
 
 from __future__ import annotations
