@@ -361,6 +361,48 @@ def hadamard16(signs=RHT_SIGNS) -> np.ndarray:
     return np.diag(np.asarray(signs, dtype=np.float64)) @ h * 0.25
 
 
+def round_f32(value: Fraction) -> float:
+    """An exact rational rounded to the nearest float32 (ties to even), as a Python float; +-inf past
+    the largest finite float32, +0.0 for zero."""
+    if value == 0:
+        return 0.0
+    sign = -1.0 if value < 0 else 1.0
+    a = abs(value)
+    e = a.numerator.bit_length() - a.denominator.bit_length()  # 2**e <= a < 2**(e + 2)
+    if Fraction(2) ** e > a:
+        e -= 1
+    e = max(e, -126)  # below the normal range the grid step stays 2**-149
+    step = Fraction(2) ** (e - 23)
+    q = a / step
+    n = math.floor(q)
+    rem = q - n
+    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and n % 2 == 1):
+        n += 1
+    result = n * step
+    if result > Fraction(FLT_MAX):
+        return sign * math.inf
+    return sign * float(result)
+
+
+def rht_fma_chain(x: np.ndarray, signs=RHT_SIGNS) -> np.ndarray:
+    """formats.rht's contract on float32 [..., K]: per 16-chunk c and output j, y = 0, then
+    y = fma(c[i], H[i, j], y) for i = 0..15, each step rounded once to float32 (exact rationals here)."""
+    h = hadamard16(signs)
+    flat = np.asarray(x, dtype=np.float32).reshape(-1, 16)
+    out = np.empty_like(flat)
+    for r, chunk in enumerate(flat):
+        for j in range(16):
+            y = 0.0
+            for i in range(16):
+                product = Fraction(float(chunk[i])) * Fraction(h[i, j])
+                if math.isfinite(y):
+                    y = round_f32(Fraction(y) + product)
+                else:  # inf stays inf (or becomes NaN against -inf), as in float arithmetic
+                    y = y + float(product)
+            out[r, j] = y
+    return out.reshape(np.shape(x))
+
+
 def swizzle_offset(r: int, c: int, cols: int) -> int:
     """Byte offset of scale (r, c) of a [rows, cols] scale matrix in the 128x4 tiled layout."""
     col_tiles = -(-cols // 4)

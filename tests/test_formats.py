@@ -912,6 +912,21 @@ def test_rht_custom_signs():
     assert torch.allclose(y.double(), x.double() @ torch.from_numpy(ref.hadamard16(signs)), atol=1e-6)
 
 
+@FEW
+@given(any_f32_tensors())
+def test_rht_equals_the_exact_fma_chain(x):
+    # Arbitrary finite float32 values (subnormals, FLT_MAX: sums that overflow to inf included).
+    assert_same_f32(formats.rht(x), ref.rht_fma_chain(x.numpy()))
+
+
+@FEW
+@given(scaled_tensors(), st.sampled_from([torch.bfloat16, torch.float16]))
+def test_rht_of_half_precision_inputs_equals_the_exact_fma_chain(x, dtype):
+    x = x.clamp(-6e4, 6e4).to(dtype)  # finite in both dtypes
+    want = torch.from_numpy(ref.rht_fma_chain(x.float().numpy())).to(dtype)
+    assert_same_f32(formats.rht(x).float(), want.float().numpy())
+
+
 def test_rht_is_a_chain_of_fused_multiply_adds():
     # x0 = 4 and x1 = 2 smallest subnormals: x1 * (1/4) is half a subnormal step, which a separate
     # multiply would round away (to even: 0) before the add; the fused multiply-add keeps it and rounds
