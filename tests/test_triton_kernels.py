@@ -12,6 +12,8 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -445,3 +447,20 @@ def test_gpu_mxfp4_large(rounding):
         nan = torch.isnan(formats.block_decode(ref))
         codes, ref_codes = formats.unpack_e2m1(data.cpu()), ref.codes()
         assert torch.where(nan, (codes & 7) == (ref_codes & 7), codes == ref_codes).all()
+
+
+@settings(max_examples=15, deadline=None, database=None, derandomize=True)
+@given(
+    st.integers(1, 40), st.integers(1, 3), st.integers(-40, 40), st.integers(0, 30),
+    st.sampled_from(["rne", "sr"]), st.sampled_from(DTYPES), st.integers(0, 2**64 - 1),
+)
+def test_quantize_mxfp4_property(rows, k_blocks, decade, spread, rounding, dtype, seed):
+    g = torch.Generator().manual_seed(rows * 1000 + k_blocks * 100 + spread)
+    x = torch.randn(rows, 32 * k_blocks, generator=g, dtype=torch.float64) * 2.0**decade
+    x = (x * torch.exp2(torch.randint(-spread, spread + 1, x.shape, generator=g).double())).to(dtype)
+    if not torch.isfinite(x).all():
+        x = torch.nan_to_num(x, posinf=0.0, neginf=0.0)
+    data, scales, _ = tk.quantize_mxfp4(x.to(DEVICE), rounding, seed=seed)
+    ref = formats.quantize(x, "mxfp4", "1x32", rounding, seed=seed)
+    assert torch.equal(scales.cpu(), ref.scales.view(torch.uint8))
+    assert torch.equal(formats.unpack_e2m1(data.cpu()), ref.codes())
