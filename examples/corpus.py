@@ -88,6 +88,11 @@ class Corpus:
     val_files: tuple[str, ...]
     include_tests: bool = False
 
+    @property
+    def test_files(self) -> int:
+        """Files from the standard library's test suites (directories ``test``, ``tests``, ``idle_test``)."""
+        return sum(1 for f in self.train_files + self.val_files if _TEST_DIRS & set(f.split("/")[:-1]))
+
     def split(self, name: str) -> torch.Tensor:
         if name not in ("train", "val"):
             raise ValueError(f"split must be 'train' or 'val', got {name!r}")
@@ -97,6 +102,7 @@ class Corpus:
         return {
             "source": "python-stdlib-py",
             "include_tests": self.include_tests,
+            "test_files": self.test_files,
             "python_version": platform.python_version(),
             "root": self.root,
             "vocab_size": VOCAB_SIZE,
@@ -111,9 +117,12 @@ class Corpus:
 
     def describe(self) -> str:
         s = self.stats()
+        tests = ""
+        if self.include_tests:
+            tests = (f" (with tests: {s['test_files']} files)" if s["test_files"]
+                     else " (tests asked for, but this Python's standard library has no test suites)")
         return (
-            f"corpus: Python {s['python_version']} stdlib .py sources"
-            f"{' (with tests)' if self.include_tests else ''}, byte tokens (vocab 256); "
+            f"corpus: Python {s['python_version']} stdlib .py sources{tests}, byte tokens (vocab 256); "
             f"train {s['train_files']} files / {s['train_tokens']:,} tokens, "
             f"val {s['val_files']} files / {s['val_tokens']:,} tokens"
         )

@@ -297,7 +297,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     else:
         print(f"precision: {args.precision} through fp4compile.Backend(inner={inner!r}), "
               f"high-precision math in {high}, on {where}", flush=True)
-    print(f"schedule: {args.steps} steps x {tokens_per_step:,} tokens = {args.steps * tokens_per_step:,} tokens, "
+    epochs = args.steps * tokens_per_step / corpus.train.numel()
+    print(f"schedule: {args.steps} steps x {tokens_per_step:,} tokens = {args.steps * tokens_per_step:,} tokens "
+          f"({epochs:.2f} epochs of the training split), "
           f"AdamW lr {peak_lr:g}, warm-up {warmup}, cosine to {args.min_lr_ratio:g}x", flush=True)
 
     record = {

@@ -59,6 +59,20 @@ def test_source_files_exclude_site_packages_and_tests(tmp_path):
     assert not any("site-packages" in f or "__pycache__" in f for f in with_tests)
 
 
+def test_corpus_says_how_many_test_files_it_holds(tmp_path):
+    _fake_stdlib(tmp_path)
+    with_tests = corpus.load_corpus(tmp_path, val_fraction=0.5, include_tests=True)
+    assert with_tests.test_files == 2 and with_tests.stats()["test_files"] == 2
+    assert "(with tests: 2 files)" in with_tests.describe()
+    bare = tmp_path / "bare"
+    (bare / "json").mkdir(parents=True)
+    for name in ("a.py", "b.py", "c.py", "json/d.py"):
+        (bare / name).write_text("x = 1\n")
+    c = corpus.load_corpus(bare, val_fraction=0.5, include_tests=True)
+    assert c.test_files == 0 and "has no test suites" in c.describe()
+    assert corpus.load_corpus(bare, val_fraction=0.5).describe().count("test") == 0
+
+
 def test_split_is_by_file_and_deterministic(tmp_path):
     _fake_stdlib(tmp_path)
     c = corpus.load_corpus(tmp_path, val_fraction=0.5)
