@@ -27,23 +27,17 @@ import torch.fx as fx
 
 from fp4compile import runtime
 from fp4compile.passes import pipeline
-from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, module_path, parameter_name
+from fp4compile.passes.find_gemm_sites import (
+    LINEAR_TARGETS, MATMUL_TARGETS, _source_name, module_path, parameter_name,
+)
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.report import Report
-from fp4compile.sites import CompileContext
+from fp4compile.sites import CompileContext, copy_graph
 
 log = logging.getLogger("fp4compile")
 
 INNER_COMPILERS = ("inductor", "eager")
 CHECK_FINITE_ENV = "FP4COMPILE_CHECK_FINITE"
-
-
-def _clone_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A structural copy of ``gm`` sharing its parameters (metadata copied shallowly)."""
-    graph = fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return fx.GraphModule(gm, graph)
 
 
 class Backend:
@@ -117,7 +111,7 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         check_gemm_dtypes(gm)
-        original = _clone_graph_module(gm)
+        original = fx.GraphModule(gm, copy_graph(gm.graph))
         scope = _ModelScope.find(gm, example_inputs)
         return _SwitchableGraph(self, original, example_inputs, scope)
 
@@ -197,7 +191,6 @@ class _SwitchableGraph:
         self.graph_ids: dict[str, int] = {}  # one graph id per block instance; recompiles keep it
         prefix = scope.prefix if scope is not None else ""
         self._compiled(prefix, False)
-        self.graph_id = self.graph_ids[prefix]
 
     def _compiled(self, prefix: str, high_precision: bool):
         key = (prefix, high_precision)
@@ -205,7 +198,7 @@ class _SwitchableGraph:
             if prefix not in self.graph_ids:
                 self.graph_ids[prefix] = next(self.backend._graph_ids)
             graph_id = self.graph_ids[prefix]
-            gm = _clone_graph_module(self.original)
+            gm = fx.GraphModule(self.original, copy_graph(self.original.graph))  # shares the parameters
             names = None
             if self.scope is not None:
                 self.scope.rebase(gm, prefix)
@@ -251,7 +244,7 @@ class _ModelScope:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for position, (node, value) in enumerate(zip(placeholders, example_inputs)):
             name = parameter_name(node, gm) if isinstance(value, torch.nn.Parameter) else None
-            if name is not None and _source_name(node).startswith("L["):  # reached from the frame's locals
+            if name is not None and _source_name(node.meta["grapharg"]).startswith("L["):  # reached from the frame's locals
                 params.append((position, name, value))
         if not params:
             return None
@@ -321,11 +314,6 @@ class _ModelScope:
                 relative = module_path(path)
                 rebased[key] = (qualified + "".join(f"._modules['{p}']" for p in relative.split(".") if p), cls)
             node.meta["nn_module_stack"] = rebased
-
-
-def _source_name(node: fx.Node) -> str:
-    name = node.meta["grapharg"].source.name
-    return name() if callable(name) else name
 
 
 def _compiled_model(param_ids: set) -> Optional[torch.nn.Module]:

@@ -10,6 +10,7 @@ GPU kernels elsewhere in the package must produce the same bits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -113,7 +114,7 @@ def _e2m1_index_sr(mag: torch.Tensor, rand_bits: torch.Tensor) -> torch.Tensor:
     The draw is u = (bits >> 8) * 2**-24 from 32 random bits, and hi is taken when u < (mag - lo)/(hi - lo).
     Grid steps are powers of two and hi <= 2*lo, so the fraction is exact in float32.
     """
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=mag.device)
+    values = _e2m1_table(mag.device)[:8]
     mag = torch.clamp(mag, max=E2M1_MAX)
     # Index of the largest grid value <= mag.
     lo_idx = torch.zeros(mag.shape, dtype=torch.int64, device=mag.device)
@@ -125,6 +126,13 @@ def _e2m1_index_sr(mag: torch.Tensor, rand_bits: torch.Tensor) -> torch.Tensor:
     frac = torch.where(step > 0, (mag - lo) / torch.where(step > 0, step, 1.0), 0.0)
     u = (rand_bits >> 8).to(torch.float32) * (2.0**-24)
     return torch.where(u < frac, hi_idx, lo_idx).to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=None)
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """float32 value of each 4-bit code on ``device``, built once per device (a copy to a GPU made
+    on every call would wait for the device's queue)."""
+    return torch.tensor(E2M1_VALUES + tuple(-x for x in E2M1_VALUES), dtype=torch.float32, device=device)
 
 
 def encode_e2m1(v: torch.Tensor, rounding: str = "rne", rand_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -147,8 +155,7 @@ def encode_e2m1(v: torch.Tensor, rounding: str = "rne", rand_bits: Optional[torc
 
 def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """4-bit codes (uint8) -> float32 values."""
-    table = torch.tensor(E2M1_VALUES + tuple(-x for x in E2M1_VALUES), dtype=torch.float32, device=codes.device)
-    return table[codes.long()]
+    return _e2m1_table(codes.device)[codes.long()]
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -306,7 +313,7 @@ def quantize(
     cols = _BLOCK_SHAPES[block][1]
     bamax = _block_amax(xf, block)
     if fmt == "nvfp4":
-        g_amax = xf.abs().amax()
+        g_amax = bamax.amax()  # max |x|: the largest block maximum (NaN propagates)
         if amax is not None:
             # A finite override must not hide NaN/Inf in x: a non-finite amax of x wins over it.
             g_amax = torch.where(torch.isfinite(g_amax), amax.detach().float().reshape(()), g_amax)
@@ -375,6 +382,11 @@ def hadamard_matrix(size: int = 16, signs=None, device=None) -> torch.Tensor:
     return (s[:, None] * h * (1.0 / math.sqrt(size))).to(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _default_hadamard(size: int, device: torch.device) -> torch.Tensor:
+    return hadamard_matrix(size, device=device)
+
+
 def rht(x: torch.Tensor, size: int = 16, signs=None) -> torch.Tensor:
     """Blockwise random Hadamard transform along the last dim: each ``size`` chunk c -> c @ H.
 
@@ -385,7 +397,7 @@ def rht(x: torch.Tensor, size: int = 16, signs=None) -> torch.Tensor:
     """
     if x.shape[-1] % size:
         raise ValueError(f"RHT of size {size} needs the last dim to be a multiple of {size}, got shape {tuple(x.shape)}")
-    h = hadamard_matrix(size, signs, device=x.device)
+    h = _default_hadamard(size, x.device) if signs is None else hadamard_matrix(size, signs, device=x.device)
     xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // size, size)
     acc = torch.zeros_like(xf)
     if _rht_products_exact(x, xf, size):

@@ -23,8 +23,6 @@ import torch
 from . import formats
 from . import runtime
 
-ROLES = ("fprop", "dgrad", "wgrad")
-_BLOCK_COLS = {"1x16": 16, "16x16": 16, "1x32": 32}
 
 
 def _qtensor(data, scales, amax, fmt, block, shape, dtype=torch.float32) -> formats.QTensor:
@@ -93,7 +91,7 @@ def quantize(
 
 @quantize.register_fake
 def _quantize_fake(x, fmt, block, rounding, seed, check):
-    cols = _BLOCK_COLS[block]
+    cols = formats._BLOCK_SHAPES[block][1]
     shape = x.shape[:-1]
     return (
         x.new_empty((*shape, x.shape[-1] // 2), dtype=torch.uint8),

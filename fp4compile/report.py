@@ -27,7 +27,7 @@ import torch.fx as fx
 from fp4compile import ops
 from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, module_path
 from fp4compile.recipe import HIGH, Recipe
-from fp4compile.sites import ROLES, CompileContext, GemmSite, StageGraph
+from fp4compile.sites import ROLES, CompileContext, GemmSite, StageGraph, copy_graph
 
 STAGES = ("dynamo", "forward", "backward")
 
@@ -241,7 +241,7 @@ class Report:
         contexts = self._selected(stage, graph_id)
         if len(contexts) > 1:
             raise ValueError(f"the report has several {stage} graphs {[c.graph_id for c in contexts]}: pass graph_id")
-        return _copy_graph(contexts[0].final_graphs[stage])
+        return copy_graph(contexts[0].final_graphs[stage])
 
     def to_mlir(self, stage: str = "forward", graph_id: Optional[int] = None) -> str:
         """The final ``stage`` graph(s) as MLIR in torch-mlir's ``torch`` dialect, one ``func.func`` per
@@ -266,7 +266,7 @@ class Report:
         importer = FxImporter(context=context)
         for ctx in self._selected(stage, graph_id):
             # The importer rewrites some nodes in place: give it a copy.
-            importer.import_stateless_graph(_copy_graph(ctx.final_graphs[stage]), func_name=f"graph{ctx.graph_id}_{stage}")
+            importer.import_stateless_graph(copy_graph(ctx.final_graphs[stage]), func_name=f"graph{ctx.graph_id}_{stage}")
         return str(importer.module)
 
     def dataflow(self, stage: str = "backward", graph_id: Optional[int] = None, compact: bool = False):
@@ -325,12 +325,6 @@ _ATEN_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "_
 
 def _code_lines(code: str) -> list[str]:
     return [line for line in code.splitlines(keepends=True) if line.strip() and not line.lstrip().startswith("#")]
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    copy = fx.Graph()
-    copy.output(copy.graph_copy(graph, {}))
-    return copy
 
 
 def _op_name(target) -> str:

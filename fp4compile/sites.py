@@ -16,6 +16,13 @@ log = logging.getLogger("fp4compile")
 ROLES = ("fprop", "dgrad", "wgrad")
 
 
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A structural copy of ``graph`` (node metadata copied shallowly)."""
+    copy = torch.fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    return copy
+
+
 @dataclasses.dataclass
 class RoleInfo:
     """One of a site's three GEMMs. ``shape`` is (M, N, K) of C[M, N] = A[M, K] @ B[N, K]^T."""
@@ -110,7 +117,6 @@ class CompileContext:
         self.graphs: list[StageGraph] = []
         self.final_graphs: dict[str, torch.fx.Graph] = {}  # stage -> graph after the latest pass
         self.fallbacks: list[str] = []
-        self.module_types: dict[str, str] = {}  # module path -> class name (find_gemm_sites)
         self.other_gemms: list = []  # matrix products that are not GEMM sites (find_gemm_sites)
 
     def note(self, message: str) -> None:
@@ -129,6 +135,4 @@ class CompileContext:
     def keep_final(self, stage: str, gm: torch.fx.GraphModule) -> None:
         """Keep a copy of the graph our passes produced: the inner compiler (Inductor's post-grad
         passes) may rewrite ``gm`` in place afterwards."""
-        final = torch.fx.Graph()
-        final.output(final.graph_copy(gm.graph, {}))
-        self.final_graphs[stage] = final
+        self.final_graphs[stage] = copy_graph(gm.graph)

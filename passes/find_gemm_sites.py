@@ -293,7 +293,6 @@ def _add_activation_site(node: fx.Node, ctx: CompileContext, stack, a: fx.Node, 
         node_name=node.name,
         graph_id=ctx.graph_id,
     )
-    site.module_stack = stack
     t, n, k = site.tokens, site.out_features, site.in_features
     site.roles["fprop"] = RoleInfo("fprop", shape=(t, n, k))
     if torch.is_grad_enabled():
@@ -313,15 +312,12 @@ def _add_activation_site(node: fx.Node, ctx: CompileContext, stack, a: fx.Node, 
 
 
 def find_gemm_sites(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    ctx.module_types = {}
     ctx.other_gemms = []
     root = graph_root(gm)
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
         stack = _stack(node, root)
-        for path, cls in stack:
-            ctx.module_types.setdefault(path, cls)
         match = _site_operands(node, gm, root)
         if match is None and ctx.recipe.include_activation_matmuls:
             operands = _activation_matmul(node, gm, root)
@@ -356,7 +352,6 @@ def find_gemm_sites(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             node_name=node.name,
             graph_id=ctx.graph_id,
         )
-        site.module_stack = stack
         _expected_roles(site, weight)
         node.meta["fp4_site"] = site.index
         ctx.sites.append(site)
