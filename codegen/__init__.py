@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from fp4compile import formats, ops, runtime
+from fp4compile import ops, runtime
 
 log = logging.getLogger("fp4compile")
 
@@ -29,25 +29,21 @@ class KernelChoice:
     reason: str
 
 
-def _triton_quantize_provider(x, fmt: str, block: str):
-    """Fused Triton quantizers take NVFP4 and MXFP4 quantize calls on CUDA tensors (bit-exact with formats).
+def _triton_provider(name: str):
+    """The provider ``triton_kernels.<name>`` for CUDA tensors: the fused Triton quantizers (bit-exact
+    with formats) take NVFP4 and MXFP4 quantize calls and the weight-gradient RHT + quantize.
 
     Triton is imported on the first CUDA call only, so importing fp4compile stays light.
     """
-    if not x.is_cuda:
-        return None
-    from . import triton_kernels
 
-    return triton_kernels.quantize_provider(x, fmt, block)
+    def provider(x, *args):
+        if not x.is_cuda:
+            return None
+        from . import triton_kernels
 
+        return getattr(triton_kernels, name)(x, *args)
 
-def _triton_rht_quantize_provider(x, size: int, fmt: str, block: str):
-    """The fused transpose + RHT + quantize Triton kernel takes the weight-gradient operands on CUDA."""
-    if not x.is_cuda:
-        return None
-    from . import triton_kernels
-
-    return triton_kernels.rht_quantize_provider(x, size, fmt, block)
+    return provider
 
 
 def _notice(message: str) -> None:
@@ -102,9 +98,8 @@ def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: st
         # Block-decoded operands are exact in BF16 (every E2M1 x E4M3 and E2M1 x E8M0 product is): a
         # BF16 GEMM with fp32 output accumulates the same products at tensor-core speed, alpha after.
         if fmt == "mxfp4":
-            qa = ops._qtensor(a, a_scales, a_amax, fmt, "1x32", (a.shape[0], a.shape[1] * 2))
-            qb = ops._qtensor(b, b_scales, b_amax, fmt, "1x32", (b.shape[0], b.shape[1] * 2))
-            a_bd, b_bd = (formats.block_decode(q).to(torch.bfloat16) for q in (qa, qb))
+            a_bd = ops.block_decode(a, a_scales, a_amax, fmt).to(torch.bfloat16)
+            b_bd = ops.block_decode(b, b_scales, b_amax, fmt).to(torch.bfloat16)
             return torch.mm(a_bd, b_bd.t(), out_dtype=torch.float32).to(out_dtype)
         from . import triton_kernels
 
@@ -116,5 +111,5 @@ def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: st
     return ops.scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
 
 
-runtime.register_quantize_provider(_triton_quantize_provider)
-runtime.register_rht_quantize_provider(_triton_rht_quantize_provider)
+runtime.register_quantize_provider(_triton_provider("quantize_provider"))
+runtime.register_rht_quantize_provider(_triton_provider("rht_quantize_provider"))

@@ -37,6 +37,7 @@ Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (sl
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from typing import Optional
@@ -96,8 +97,9 @@ def _interpreting() -> bool:
     return triton is not None and (os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available())
 
 
+@functools.lru_cache(maxsize=None)
 def available() -> tuple[bool, str]:
-    """(whether the kernels can run here, why or why not)."""
+    """(whether the kernels can run here, why or why not); fixed for the process, so asked once."""
     if triton is None:
         return False, f"triton is not installed ({_IMPORT_ERROR})"
     if not torch.cuda.is_available():
@@ -957,10 +959,8 @@ def quantize_provider(x: torch.Tensor, fmt: str, block: str):
     if x.shape[-1] % (32 if fmt == "mxfp4" else 16) or (block == "16x16" and x.shape[-2] % 16):
         return None
     if fmt == "mxfp4":
-        return lambda x, rounding, seed: quantize_mxfp4(x, rounding, seed)
-    if block == "1x16":
-        return lambda x, rounding, seed: quantize_1x16(x, rounding, seed)
-    return lambda x, rounding, seed: quantize_16x16(x, rounding, seed)
+        return quantize_mxfp4
+    return quantize_1x16 if block == "1x16" else quantize_16x16
 
 
 def rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str):

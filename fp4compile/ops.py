@@ -163,14 +163,17 @@ def _(x, size):
 # ---------------------------------------------------------------------------------------------
 
 
+def block_decode(data, scales, amax, fmt: str) -> torch.Tensor:
+    """value(code) * block scale (fp32) of a packed GEMM operand [..., M, K/2] with 1-D blocks."""
+    block = "1x16" if fmt == "nvfp4" else "1x32"
+    return formats.block_decode(_qtensor(data, scales, amax, fmt, block, (*data.shape[:-1], data.shape[-1] * 2)))
+
+
 def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype):
     """Emulated block-scaled FP4 GEMM: (block-decoded A) @ (block-decoded B).T with fp32 accumulation,
     then alpha = amax_A * amax_B / 2688**2 (NVFP4) applied once, as a Blackwell epilogue does.
     Batched operands [..., M, K/2] and [..., N, K/2] (activation matmuls) multiply per leading index."""
-    block = "1x16" if fmt == "nvfp4" else "1x32"
-    qa = _qtensor(a, a_scales, a_amax, fmt, block, (*a.shape[:-1], a.shape[-1] * 2))
-    qb = _qtensor(b, b_scales, b_amax, fmt, block, (*b.shape[:-1], b.shape[-1] * 2))
-    acc = formats.block_decode(qa) @ formats.block_decode(qb).transpose(-2, -1)
+    acc = block_decode(a, a_scales, a_amax, fmt) @ block_decode(b, b_scales, b_amax, fmt).transpose(-2, -1)
     if fmt == "nvfp4":
         acc = acc * formats.global_decode_scale(a_amax) * formats.global_decode_scale(b_amax)
     return acc.to(out_dtype)

@@ -83,12 +83,17 @@ def register_quantize_provider(provider: Callable) -> None:
     _quantize_providers.append(provider)
 
 
-def quantize_kernel(x: torch.Tensor, fmt: str, block: str) -> Optional[Callable]:
-    for provider in _quantize_providers:
-        kernel = provider(x, fmt, block)
+def _first_kernel(providers: list[Callable], *args) -> Optional[Callable]:
+    """The kernel of the first provider that takes the call, or None."""
+    for provider in providers:
+        kernel = provider(*args)
         if kernel is not None:
             return kernel
     return None
+
+
+def quantize_kernel(x: torch.Tensor, fmt: str, block: str) -> Optional[Callable]:
+    return _first_kernel(_quantize_providers, x, fmt, block)
 
 
 # Fused RHT + quantize kernels (the weight-gradient operands): each takes (x, size, fmt, block) and
@@ -102,11 +107,7 @@ def register_rht_quantize_provider(provider: Callable) -> None:
 
 
 def rht_quantize_kernel(x: torch.Tensor, size: int, fmt: str, block: str) -> Optional[Callable]:
-    for provider in _rht_quantize_providers:
-        kernel = provider(x, size, fmt, block)
-        if kernel is not None:
-            return kernel
-    return None
+    return _first_kernel(_rht_quantize_providers, x, size, fmt, block)
 
 
 def raise_non_finite(label: str, x: torch.Tensor) -> None:
