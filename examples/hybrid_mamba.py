@@ -209,7 +209,7 @@ def other_products_table(backend, model: HybridLM) -> str:
     """The matrix products that are not GEMM sites (high precision), counted per block kind."""
     counts: dict = collections.Counter()
     for ctx in backend.report.latest:
-        for product in getattr(ctx, "other_gemms", ()):
+        for product in ctx.other_gemms:
             parts = product.module.split(".")
             kind = model.layers[int(parts[1])].kind if parts[0] == "layers" and len(parts) > 1 else "-"
             counts[(kind, product.op, product.reason)] += 1

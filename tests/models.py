@@ -80,3 +80,8 @@ class MLPStack(nn.Module):
 
 def lm_loss(logits, idx):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+
+
+def grads(model):
+    """A copy of every parameter gradient, by name."""
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 
 import fp4compile
-from fp4compile import Backend, Recipe
-from models import MLPStack, TinyGPT, lm_loss
+from fp4compile import Backend
+from models import MLPStack, TinyGPT, grads, lm_loss
 from recipe_reference import reference_recipe
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -27,10 +27,6 @@ def _train_step(model, backend, idx):
     loss = lm_loss(logits, idx)
     loss.backward()
     return logits, loss
-
-
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def test_backend_string_is_registered():
@@ -54,7 +50,7 @@ def test_matches_eager_reference_recipe_bit_for_bit(fmt):
         ref_logits = ref_model(idx)
         lm_loss(ref_logits, idx).backward()
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
-    got, want = _grads(model), _grads(ref_model)
+    got, want = grads(model), grads(ref_model)
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
@@ -69,8 +65,8 @@ def test_inductor_matches_eager_inner():
         model = _gpt(n_layer=4)
         logits, loss = _train_step(model, Backend(inner=inner, stochastic_rounding=False), idx)
         results[inner] = (logits.detach(), loss.item(), model.blocks[1].mlp.fc.weight.grad.clone())
-    (le, lossе, ge), (li, lossi, gi) = results["eager"], results["inductor"]
-    assert abs(lossе - lossi) < 1e-3
+    (le, losse, ge), (li, lossi, gi) = results["eager"], results["inductor"]
+    assert abs(losse - lossi) < 1e-3
     assert (li - le).norm() / le.norm() < 1e-2
     assert (gi - ge).norm() / ge.norm() < 5e-2
 
@@ -115,7 +111,7 @@ def test_sr_is_reproducible_from_the_same_state():
             loss = lm_loss(compiled(idx), idx)
             loss.backward()
             losses.append(loss.item())
-        runs.append((losses, _grads(model)))
+        runs.append((losses, grads(model)))
     assert runs[0][0] == runs[1][0]
     for name in runs[0][1]:
         assert torch.equal(runs[0][1][name], runs[1][1][name]), name

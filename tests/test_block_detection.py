@@ -13,16 +13,11 @@ import torch.nn.functional as F
 import fp4compile
 from fp4compile import Backend, Recipe
 from fp4compile.passes.find_blocks import block_paths
-from fp4compile.passes.find_gemm_sites import find_gemm_sites, module_path, source_root
-from fp4compile.sites import CompileContext
+from fp4compile.passes.find_gemm_sites import module_path, source_root
 from models import MLP, Attention
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def analyse(model, *inputs, **recipe_fields):

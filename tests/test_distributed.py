@@ -191,11 +191,7 @@ def ranks(tmp_path_factory):
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _single_process(batches) -> dict:

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import fp4compile
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
@@ -172,15 +174,7 @@ def test_fp4_flags_need_an_fp4_precision():
         train_gpt.parse_args(["--precision", "nvfp4", "--no-compile"])
 
 
-def _fp4compile_backend():
-    fp4compile = pytest.importorskip("fp4compile")
-    if not hasattr(fp4compile, "Backend") or not hasattr(fp4compile, "Recipe"):
-        pytest.skip("fp4compile.Backend is not implemented yet")
-    return fp4compile
-
-
 def test_recipe_from_flags():
-    fp4compile = _fp4compile_backend()
     args = train_gpt.parse_args(["--precision", "mxfp4", "--no-rht", "--no-sr", "--no-2d", "--all-fp4",
                                  "--bf16-switch-at", "7", "--forward-only", "--check-finite", "--seed", "3"])
     assert train_gpt.make_recipe(args) == fp4compile.Recipe(
@@ -221,7 +215,6 @@ def test_train_gpt_same_seed_same_losses(bf16_runs, tmp_path):
 
 
 def test_train_gpt_nvfp4(tmp_path, capsys):
-    _fp4compile_backend()
     # FP4 is emulated on the CPU: two steps and no validation keep this quick.
     argv = ["--precision", "nvfp4", "--inner", "eager", "--device", "cpu", "--out", str(tmp_path / "nvfp4.json"),
             *QUICK, "--steps", "2", "--eval-every", "0", "--bf16-switch-at", "1"]

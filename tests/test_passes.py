@@ -6,7 +6,6 @@ import operator
 
 import pytest
 import torch
-import torch.fx as fx
 import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified
 from functorch.compile import make_boxed_func
@@ -130,7 +129,6 @@ def aot_graphs(gm, example, ctx, passes):
         return compile_graph
 
     compiled = aot_module_simplified(gm, example, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
-    x = example[-1] if isinstance(example, list) else example
     inputs = [t.detach().requires_grad_(t.requires_grad) for t in example]
     y = compiled(*inputs)
     (y[0] if isinstance(y, (tuple, list)) else y).sum().backward()

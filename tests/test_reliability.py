@@ -16,18 +16,12 @@ from torch._dynamo.utils import counters
 
 import fp4compile
 from fp4compile import Backend, formats, ops
-from models import MLPStack
+from models import MLPStack, grads
 
 D = 16
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    fp4compile.manual_seed(0)
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _backend(**kw) -> Backend:
@@ -56,10 +50,6 @@ class OneLinear(nn.Module):
 
 def _x(*shape, seed=1, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _sites(backend):
@@ -377,7 +367,7 @@ def test_graph_break_inside_a_block_keeps_model_paths_and_block_plan():
         x = _x(2, 16, D).requires_grad_()
         y = torch.compile(model, backend=backend)(x)
         y.sum().backward()
-        results[graph_break] = (backend, y.detach(), x.grad, _grads(model))
+        results[graph_break] = (backend, y.detach(), x.grad, grads(model))
     backend = results[True][0]
     precisions = {name: (s.block, s.precision) for name, s in _sites(backend).items()}
     assert precisions == {
@@ -412,7 +402,7 @@ def test_frozen_layers_get_no_gradient_and_leave_the_others_unchanged():
     model = _stack(2)
     x = _x(2, 16, D)
     torch.compile(model, backend=_backend(stochastic_rounding=False))(x).sum().backward()
-    full = _grads(model)
+    full = grads(model)
 
     torch._dynamo.reset()
     frozen = _stack(2)
@@ -421,7 +411,7 @@ def test_frozen_layers_get_no_gradient_and_leave_the_others_unchanged():
     frozen.layers[1].fc.weight.requires_grad_(False)
     backend = _backend(stochastic_rounding=False)
     torch.compile(frozen, backend=backend)(x).sum().backward()
-    got = _grads(frozen)
+    got = grads(frozen)
     frozen_names = {n for n in full if n.startswith("layers.0.")} | {"layers.1.fc.weight"}
     assert set(got) == set(full) - frozen_names
     for name in got:
@@ -470,7 +460,7 @@ def test_seeded_sr_runs_are_bit_identical():
         fp4compile.manual_seed(11)
         model = _stack()
         losses, _ = _train(model, _backend(), 3)
-        runs.append((losses, _grads(model)))
+        runs.append((losses, grads(model)))
     assert runs[0][0] == runs[1][0]
     for name, g in runs[0][1].items():
         assert torch.equal(g, runs[1][1][name]), name
@@ -478,7 +468,7 @@ def test_seeded_sr_runs_are_bit_identical():
     fp4compile.manual_seed(11)
     other = _stack()
     _train(other, _backend(seed=1), 3)  # another Recipe.seed: other SR bits
-    assert not torch.equal(_grads(other)["layers.0.fc.weight"], runs[0][1]["layers.0.fc.weight"])
+    assert not torch.equal(grads(other)["layers.0.fc.weight"], runs[0][1]["layers.0.fc.weight"])
 
 
 def test_checkpoint_resume_continues_identically():
