@@ -178,9 +178,6 @@ class CacheEntry:
     def file(self, name: str) -> Path:
         return self.path / name
 
-    def files(self) -> dict[str, Path]:
-        return {name: self.path / name for name in self.manifest["files"]}
-
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()

@@ -137,9 +137,10 @@ class SiteDataFlow:
     def first_position(self, path: str) -> int:
         return min(self.position[s.node_name] for s in self.members(path))
 
-    def order(self, paths: list[str]) -> list[str]:
-        """``paths`` (those holding sites of this graph) in data-flow order, ties by graph position."""
-        graph = self.graph(paths)
+    def order(self, paths: list[str], graph: Optional[nx.DiGraph] = None) -> list[str]:
+        """``paths`` (those holding sites of this graph) in data-flow order, ties by graph position
+        (``graph``: their ``self.graph(paths)`` when the caller has it already)."""
+        graph = self.graph(paths) if graph is None else graph
         if nx.is_directed_acyclic_graph(graph):
             return list(nx.lexicographical_topological_sort(graph, key=self.first_position))
         return sorted(graph, key=self.first_position)
@@ -149,19 +150,19 @@ class SiteDataFlow:
         graph = self.graph(paths)
         if len(graph) < 2 or not nx.is_directed_acyclic_graph(graph):
             return False
-        ordered = self.order(paths)
+        ordered = self.order(paths, graph)
         return all(graph.has_edge(a, b) for a, b in zip(ordered, ordered[1:]))
 
 
 def find_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if not ctx.sites:
         return gm
-    flow = SiteDataFlow(gm, ctx.sites)
     model_names = ctx.model_site_names
     if model_names:
         # Blocks known from the whole model (graph breaks): keep the model's numbering.
         ordered = block_paths(model_names)
     else:
+        flow = SiteDataFlow(gm, ctx.sites)
         ordered = flow.order(block_paths([s.name for s in ctx.sites], flow.runs_in_sequence))
 
     def owner(name):

@@ -40,13 +40,13 @@ def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         with gm.graph.inserting_before(node):
             if site.kind == "activation_matmul":
                 new = gm.graph.call_function(ops.matmul, (node.args[0], node.args[1], index))
-            elif site.kind == "linear":
-                x, weight = node.args[0], node.args[1]
-                bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            else:  # matmul x @ B, or addmm(b, x, B): B is [in, out]
-                bias, x, param = node.args[:3] if site.kind == "addmm" else (None, *node.args[:2])
-                weight = gm.graph.call_function(torch.t, (param,))
-            if site.kind != "activation_matmul":
+            else:
+                if site.kind == "linear":
+                    x, weight = node.args[0], node.args[1]
+                    bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+                else:  # matmul x @ B, or addmm(b, x, B): B is [in, out]
+                    bias, x, param = node.args[:3] if site.kind == "addmm" else (None, *node.args[:2])
+                    weight = gm.graph.call_function(torch.t, (param,))
                 new = gm.graph.call_function(ops.linear, (x, weight, bias, index))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
