@@ -1,19 +1,25 @@
 """Run the convergence study: every precision configuration of docs/convergence.md, side by side.
 
 Starts one ``train_gpt.py`` process per configuration, ``--parallel`` at a time, all with the same
-model, data, seed and schedule (the arguments after ``--``), writes ``OUT_DIR/NAME.json`` and
-``OUT_DIR/NAME.log`` for each, shows one status line per run while they train, and finishes with the
-plots and the table of ``plot_runs.py``. Small models leave most of a large GPU idle, so several runs
-on one GPU finish sooner than the same runs one after another (each run's tokens/s is then that of a
-shared GPU).
+model, data, seed and schedule (the arguments after ``--``), writes ``OUT_DIR/NAME.json``,
+``OUT_DIR/NAME.log`` and the checkpoint ``OUT_DIR/NAME.pt`` for each, shows one status line per run
+while they train, and finishes with the plots and the table of ``plot_runs.py``. Small models leave
+most of a large GPU idle, so several runs on one GPU finish sooner than the same runs one after another
+(each run's tokens/s is then that of a shared GPU).
 
-    python examples/run_study.py --out-dir runs/small --parallel 9 -- \\
+    python examples/run_study.py --out-dir runs/small --parallel 8 -- \\
         --preset small --batch-size 64 --steps 3000 --include-tests --eval-every 100
+
+A study longer than one sitting: ``--time-limit SECONDS`` stops every run in time to write its
+checkpoint; the same command again continues each run where it stopped (bit for bit where the device
+is deterministic) and skips the finished ones. The BF16-switch run is not trained from scratch: it
+continues the NVFP4 run's checkpoint at the switch step (``--no-fork`` trains it from scratch).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -37,6 +43,8 @@ CONFIGS = {
     "nvfp4-fwd-only": ["--precision", "nvfp4", "--forward-only"],
 }
 DEFAULT_CONFIGS = [c for c in CONFIGS if c != "nvfp4-fwd-only"]
+# Runs identical to another one up to the switch step: they continue its checkpoint from there.
+FORKS = {"nvfp4-bf16-switch": "nvfp4"}
 
 
 def parse_args(argv: Optional[Sequence[str]] = None):
@@ -51,10 +59,16 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     p.add_argument("--parallel", type=int, default=1, help="runs at a time")
     p.add_argument("--switch-fraction", type=float, default=0.9,
                    help="nvfp4-bf16-switch: switch to BF16 after this fraction of --steps")
+    p.add_argument("--no-fork", action="store_true",
+                   help="train nvfp4-bf16-switch from scratch instead of from nvfp4's checkpoint at the switch")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop the runs in time to checkpoint them (and plot) within this wall time; "
+                        "the same command again continues them")
     p.add_argument("--refresh", type=float, default=10.0, help="seconds between status lines")
     args = p.parse_args(argv)
-    if "--out" in train_args or "--name" in train_args:
-        p.error("--out and --name are set per run by this script")
+    for flag in ("--out", "--name", "--checkpoint", "--resume", "--save-at", "--time-limit"):
+        if flag in train_args:
+            p.error(f"{flag} is set per run by this script")
     if args.parallel < 1:
         p.error("--parallel must be at least 1")
     args.configs = list(dict.fromkeys(args.configs))  # each run once
@@ -68,10 +82,48 @@ def _steps(train_args: list[str]) -> int:
     return train_parse(train_args).steps
 
 
-def command(name: str, args) -> list[str]:
-    flags = [f.replace("{switch}", str(int(_steps(args.train_args) * args.switch_fraction))) for f in CONFIGS[name]]
-    return [sys.executable, str(HERE / "train_gpt.py"), *args.train_args, *flags, "--name", name,
-            "--out", str(args.out_dir / f"{name}.json")]
+def switch_step(args) -> int:
+    return int(_steps(args.train_args) * args.switch_fraction)
+
+
+def fork_parent(name: str, args) -> Optional[str]:
+    """The run ``name`` continues from (its checkpoint at the switch step), or None."""
+    parent = FORKS.get(name)
+    return parent if parent in args.configs and not args.no_fork else None
+
+
+def checkpoint(out_dir: Path, name: str) -> Path:
+    return out_dir / f"{name}.pt"
+
+
+def fork_checkpoint(name: str, args) -> Path:
+    from train_gpt import checkpoint_path_at
+
+    return checkpoint_path_at(checkpoint(args.out_dir, fork_parent(name, args)), switch_step(args))
+
+
+def command(name: str, args, time_limit: Optional[float] = None) -> list[str]:
+    """The train_gpt.py command line of run ``name``: resumed from its checkpoint when it has one."""
+    flags = [f.replace("{switch}", str(switch_step(args))) for f in CONFIGS[name]]
+    cmd = [sys.executable, str(HERE / "train_gpt.py"), *args.train_args, *flags, "--name", name,
+           "--out", str(args.out_dir / f"{name}.json"), "--checkpoint", str(checkpoint(args.out_dir, name))]
+    if any(fork_parent(child, args) == name for child in FORKS):
+        cmd += ["--save-at", str(switch_step(args))]
+    if checkpoint(args.out_dir, name).exists():
+        cmd += ["--resume", str(checkpoint(args.out_dir, name))]
+    elif fork_parent(name, args):
+        cmd += ["--resume", str(fork_checkpoint(name, args))]
+    if time_limit is not None:
+        cmd += ["--time-limit", f"{time_limit:.0f}"]
+    return cmd
+
+
+def finished_before(out_dir: Path, name: str) -> bool:
+    """Whether an earlier invocation completed run ``name`` (its log has a summary)."""
+    try:
+        return json.loads((out_dir / f"{name}.json").read_text()).get("summary") is not None
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
 
 
 def _last_line(path: Path) -> str:
@@ -82,33 +134,64 @@ def _last_line(path: Path) -> str:
     return lines[-1][-100:] if lines else "starting"
 
 
+# Seconds a run keeps in hand under --time-limit: its checkpoint and log, and then the plots.
+_MARGIN_S = 30.0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(HERE))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    pending = list(args.configs)
+    done = [n for n in args.configs if finished_before(args.out_dir, n)]
+    for name in done:
+        print(f"{name}: finished earlier ({name}.json), skipped", flush=True)
+    pending = [n for n in args.configs if n not in done]
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     logs = {}
-    finished: dict[str, tuple[int, float]] = {}
+    ended: dict[str, tuple[int, float]] = {}
     start = time.monotonic()
     last_status = 0.0
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def ready(name: str) -> bool:
+        """A fork starts once its parent's checkpoint is there (or its own, from an earlier invocation)."""
+        return (not fork_parent(name, args) or checkpoint(args.out_dir, name).exists()
+                or fork_checkpoint(name, args).exists())
+
     try:
         while pending or running:
-            while pending and len(running) < args.parallel:
-                name = pending.pop(0)
-                logs[name] = log = open(args.out_dir / f"{name}.log", "w")
-                cmd = command(name, args)
+            for name in [n for n in pending if not ready(n) and fork_parent(n, args) not in pending
+                         and fork_parent(n, args) not in running]:
+                pending.remove(name)  # the parent ended without reaching the switch step
+                print(f"{name}: not started, {fork_parent(name, args)} stopped before step {switch_step(args)}",
+                      flush=True)
+            startable = [n for n in pending if ready(n)]
+            while startable and len(running) < args.parallel:
+                name = startable.pop(0)
+                pending.remove(name)
+                limit = None
+                if args.time_limit is not None:
+                    limit = args.time_limit - (time.monotonic() - start) - _MARGIN_S
+                    if limit <= 0:
+                        print(f"{name}: not started, no time left", flush=True)
+                        continue
+                logs[name] = log = open(args.out_dir / f"{name}.log", "a")
+                cmd = command(name, args, limit)
                 log.write(" ".join(cmd) + "\n")
                 log.flush()
                 running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.monotonic())
             for name, (proc, t0) in list(running.items()):
                 if proc.poll() is not None:
-                    finished[name] = (proc.returncode, time.monotonic() - t0)
+                    ended[name] = (proc.returncode, time.monotonic() - t0)
                     del running[name]
                     logs.pop(name).close()
-                    state = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}), see {name}.log"
-                    print(f"[{time.monotonic() - start:6.0f} s] {name}: {state} in {finished[name][1]:.0f} s", flush=True)
+                    if proc.returncode:
+                        state = f"FAILED (exit {proc.returncode}), see {name}.log"
+                    elif finished_before(args.out_dir, name):
+                        state = "done"
+                    else:
+                        state = "stopped by the time limit (run the same command again to continue)"
+                    print(f"[{time.monotonic() - start:6.0f} s] {name}: {state} after {ended[name][1]:.0f} s", flush=True)
             now = time.monotonic()
             if running and now - last_status >= args.refresh:
                 last_status = now
@@ -122,11 +205,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             proc.wait()
         for log in logs.values():
             log.close()
-    runs = [args.out_dir / f"{n}.json" for n in args.configs if finished[n][0] == 0]
-    if runs:
-        subprocess.run([sys.executable, str(HERE / "plot_runs.py"), *map(str, runs), "--out-dir", str(args.out_dir)],
-                       check=False)
-    failed = [n for n, (rc, _) in finished.items() if rc]
+    complete = [n for n in args.configs if finished_before(args.out_dir, n)]
+    if complete:
+        subprocess.run([sys.executable, str(HERE / "plot_runs.py"), *(str(args.out_dir / f"{n}.json") for n in complete),
+                        "--out-dir", str(args.out_dir)], check=False)
+    failed = [n for n, (rc, _) in ended.items() if rc]
     return 1 if failed else 0
 
 

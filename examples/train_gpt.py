@@ -41,7 +41,7 @@ import torch
 # Run as a script from any directory: the sibling modules live next to this file.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from corpus import batches, fixed_batches, load_corpus  # noqa: E402
+from corpus import SOURCES, batches, fixed_batches, load_corpus  # noqa: E402
 from gpt import GPT, PRESETS  # noqa: E402
 
 # Peak learning rates that train well at the presets' default batch sizes.
@@ -95,6 +95,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--val-fraction", type=float, default=0.05, help="fraction of files held out")
     g.add_argument("--include-tests", action="store_true",
                    help="add the stdlib's test suites to the corpus (about 2.7x the tokens)")
+    g.add_argument("--corpus", choices=SOURCES, default="stdlib",
+                   help="stdlib: the standard library's .py files; stdlib+packages: also the installed "
+                        "packages' (many more tokens, but machine dependent; see examples/corpus.py)")
+    g.add_argument("--corpus-max-mb", type=float, default=None, metavar="MB",
+                   help="cap the corpus at this many MB with a deterministic sample of files (default: all)")
 
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=500, help="optimizer steps")
@@ -115,6 +120,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--log-every", type=int, default=None,
                    help="progress line every N steps when stderr is not a terminal (default: steps/20)")
     g.add_argument("--quiet", action="store_true", help="no progress display, summary only")
+
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint", type=Path, default=None, metavar="PATH",
+                   help="write the training state here when the run stops early (--time-limit) and at the end")
+    g.add_argument("--save-at", type=int, nargs="+", default=[], metavar="STEP",
+                   help="also write PATH's stem + '.stepN.pt' after these steps (e.g. to fork a run there)")
+    g.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop before a step that would end past this wall time (from the start of this "
+                        "process), write --checkpoint and the log; --resume continues the run")
+    g.add_argument("--resume", type=Path, default=None, metavar="PATH",
+                   help="continue from a checkpoint: the same model, data, schedule and recipe (only "
+                        "--bf16-switch-at may differ, at or after the checkpoint's step)")
     args = p.parse_args(argv)
 
     fp4_flags = [f for f, on in (("--no-rht", args.no_rht), ("--no-sr", args.no_sr), ("--no-2d", args.no_2d),
@@ -129,7 +146,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("--steps, --batch-size, --grad-accum and --eval-batches must be positive, --eval-every >= 0")
     if args.seq_len is not None and args.seq_len > PRESETS[args.preset].seq_len:
         p.error(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's {PRESETS[args.preset].seq_len}")
+    if (args.save_at or args.time_limit is not None) and args.checkpoint is None:
+        p.error("--save-at and --time-limit need --checkpoint PATH")
+    if any(not 0 < s < args.steps for s in args.save_at):
+        p.error(f"--save-at steps must lie in 1..{args.steps - 1}, got {args.save_at}")
+    if args.corpus_max_mb is not None and args.corpus_max_mb <= 0:
+        p.error("--corpus-max-mb must be positive")
     return args
+
+
+# Arguments that define the training a checkpoint belongs to: a resumed run must repeat them.
+_RUN_DEFINING = (
+    "precision", "no_rht", "no_sr", "no_2d", "all_fp4", "forward_only", "inner", "no_compile", "autocast",
+    "preset", "seq_len", "batch_size", "grad_accum", "tie_embeddings", "val_fraction", "include_tests",
+    "corpus", "corpus_max_mb", "steps", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "seed",
+)
+
+
+def check_resume(args: argparse.Namespace, saved: dict, step: int, path: Path) -> None:
+    """Raise ValueError naming what differs when ``args`` cannot continue the checkpoint's run."""
+    diffs = [f"--{k.replace('_', '-')} {getattr(args, k)!r} (checkpoint: {saved.get(k)!r})"
+             for k in _RUN_DEFINING if getattr(args, k) != saved.get(k)]
+    switch, saved_switch = args.bf16_switch_at, saved.get("bf16_switch_at")
+    if switch != saved_switch and (
+        (switch is not None and switch < step) or (saved_switch is not None and saved_switch <= step)
+    ):
+        diffs.append(f"--bf16-switch-at {switch!r} (checkpoint: {saved_switch!r}, saved after step {step})")
+    if diffs:
+        raise ValueError(f"cannot resume from {path}: " + "; ".join(diffs))
 
 
 def run_name(args: argparse.Namespace) -> str:
@@ -236,7 +280,24 @@ def _write_json(path: Path, record: dict) -> None:
     os.replace(tmp, path)
 
 
+def checkpoint_path_at(checkpoint: Path, step: int) -> Path:
+    """Where ``--save-at STEP`` writes: the checkpoint's stem + '.stepN.pt' beside it."""
+    return checkpoint.with_name(f"{checkpoint.stem}.step{step}.pt")
+
+
+def _save_checkpoint(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _args_record(args: argparse.Namespace) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> dict:
+    process_start = time.perf_counter()
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.threads:
@@ -255,7 +316,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
     tokens_per_step = args.batch_size * config.seq_len * args.grad_accum
 
-    corpus = load_corpus(val_fraction=args.val_fraction, include_tests=args.include_tests)
+    load_start = time.perf_counter()
+    corpus = load_corpus(
+        val_fraction=args.val_fraction, include_tests=args.include_tests, packages=args.corpus == "stdlib+packages",
+        max_bytes=None if args.corpus_max_mb is None else int(args.corpus_max_mb * 1e6),
+    )
     torch.manual_seed(args.seed)
     model = GPT(config).to(device)
     optimizer = _make_optimizer(model, peak_lr, args.weight_decay, device)
@@ -273,14 +338,31 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     autocast = (
         (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_autocast else contextlib.nullcontext
     )
-    train_stream = batches(corpus.train, args.batch_size, config.seq_len, seed=args.seed, device=device)
+    checkpoint = None
+    start_step = 0
+    if args.resume is not None:
+        checkpoint = torch.load(args.resume, map_location=device)
+        start_step = int(checkpoint["step"])
+        try:
+            check_resume(args, checkpoint["args"], start_step, args.resume)
+        except ValueError as error:
+            raise SystemExit(f"train_gpt.py: error: {error}") from None
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        if backend is not None:
+            backend.load_state_dict(checkpoint["backend"])
+        torch.set_rng_state(checkpoint["torch_rng"].cpu())
+        if device.type == "cuda" and checkpoint.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(checkpoint["cuda_rng"].cpu(), device)
+    train_stream = batches(corpus.train, args.batch_size, config.seq_len, seed=args.seed, device=device,
+                           skip=start_step * args.grad_accum)
     # The validation set is fixed (its own seed) so every run is scored on the same tokens.
     val_set = fixed_batches(corpus.val, args.eval_batches, args.batch_size, config.seq_len, device=device)
 
     print(f"run {name}: {args.preset} GPT, {model.num_params():,} parameters "
           f"({model.num_params(non_embedding=True):,} non-embedding), "
           f"{config.n_layer} layers, d_model {config.d_model}, seq_len {config.seq_len}", flush=True)
-    print(corpus.describe(), flush=True)
+    print(f"{corpus.describe()} (read in {time.perf_counter() - load_start:.1f} s)", flush=True)
     high = "bf16 (autocast)" if use_autocast else "fp32"
     where = (f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
              else f"{device} ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})")
@@ -297,7 +379,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     record = {
         "name": name,
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": _args_record(args),
         "model": {**dataclasses.asdict(config), "preset": args.preset, "params": model.num_params(),
                   "non_embedding_params": model.num_params(non_embedding=True)},
         "corpus": corpus.stats(),
@@ -306,7 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                      "steps": args.steps, "tokens_per_step": tokens_per_step},
         "inner": None if args.no_compile else inner,
         "autocast": use_autocast,
-        "env": {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+        "env": {"torch": str(torch.__version__), "python": platform.python_version(), "device": str(device),
                 "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
                 "threads": torch.get_num_threads()},
         "precision_table": None,
@@ -314,8 +396,41 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "high_precision_from_step": None,
         "train": {"step": [], "loss": [], "lr": [], "tokens_per_s": [], "elapsed_s": []},
         "val": {"step": [], "loss": []},
+        # One entry per process that trained this run: steps it ran, its first step (with compilation).
+        "segments": [],
         "summary": None,
     }
+    elapsed_before = 0.0  # wall time of the earlier segments of a resumed run
+    steady_tokens, steady_time = 0, 0.0
+    first_step_s = None
+    if checkpoint is not None:
+        saved = checkpoint["record"]
+        for key in ("train", "val", "segments", "precision_table", "high_precision_from_step"):
+            record[key] = saved[key]
+        elapsed_before = checkpoint["elapsed_s"]
+        steady_tokens, steady_time = checkpoint["steady"]
+        first_step_s = saved["segments"][0]["first_step_s"] if saved["segments"] else None
+        print(f"resumed from {args.resume} after step {start_step} (run {saved['name']})", flush=True)
+        if backend is not None and backend.high_precision and record["high_precision_from_step"] is None:
+            record["high_precision_from_step"] = start_step
+            print(f"step {start_step}: every GEMM runs in high precision from the next step on", flush=True)
+    segment = {"resumed_from": str(args.resume) if args.resume else None, "start_step": start_step,
+               "end_step": start_step, "first_step_s": None, "wall_s": 0.0}
+    record["segments"].append(segment)
+
+    def training_state(steps_done: int, elapsed: float) -> dict:
+        return {
+            "step": steps_done,
+            "args": _args_record(args),
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "backend": backend.state_dict() if backend is not None else None,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "record": record,
+            "steady": (steady_tokens, steady_time),
+            "elapsed_s": elapsed,
+        }
 
     # Validation runs the compiled model (FP4 forward for FP4 runs; a no_grad recompile) unless
     # --eval-high-precision asks for the plain module.
@@ -332,10 +447,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     progress = Progress(args.steps, args.quiet, args.log_every)
     start = time.perf_counter()
-    first_step_s = None
-    steady_tokens, steady_time = 0, 0.0
-    diverged = False
-    for step in range(args.steps):
+    diverged = stopped = False
+    step_s = eval_s = 0.0
+    for step in range(start_step, args.steps):
+        eval_due = bool(args.eval_every) and ((step + 1) % args.eval_every == 0 or step == args.steps - 1)
+        if args.time_limit is not None and step > start_step:
+            # Stop before a step (and its evaluation) that would end past the limit.
+            if time.perf_counter() - process_start + step_s + (eval_s if eval_due else 0.0) > args.time_limit:
+                stopped = True
+                break
         step_start = time.perf_counter()
         lr = lr_at(step, peak_lr, warmup, args.steps, args.min_lr_ratio)
         for group in optimizer.param_groups:
@@ -358,11 +478,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                 progress.message(f"step {step + 1}: every GEMM runs in high precision from the next step on")
         loss_value = float(loss_sum)  # synchronizes with the device, so the step time below is real
         step_s = time.perf_counter() - step_start
-        elapsed = time.perf_counter() - start
+        elapsed = elapsed_before + time.perf_counter() - start
 
-        if step == 0:
-            first_step_s = step_s  # includes compilation
-            if backend is not None:
+        if step == start_step:
+            segment["first_step_s"] = step_s  # includes compilation
+            if step == 0:
+                first_step_s = step_s
+            if backend is not None and record["precision_table"] is None:
                 record["precision_table"] = str(backend.report.precision_table())
                 progress.message("precision plan:\n" + record["precision_table"])
         else:
@@ -385,17 +507,33 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             progress.message(f"step {step + 1}: loss is {loss_value}; stopping")
             break
         last = step == args.steps - 1
-        if args.eval_every and ((step + 1) % args.eval_every == 0 or last):
+        segment["end_step"] = step + 1
+        segment["wall_s"] = time.perf_counter() - start
+        if eval_due:
+            eval_start = time.perf_counter()
             val_loss = evaluate()
+            eval_s = time.perf_counter() - eval_start
             record["val"]["step"].append(step)
             record["val"]["loss"].append(val_loss)
             progress.message(f"step {step + 1}: train loss {loss_value:.4f}, val loss {val_loss:.4f}")
             if args.out and not last:
                 _write_json(args.out, record)
+        if step + 1 in args.save_at:
+            path = checkpoint_path_at(args.checkpoint, step + 1)
+            _save_checkpoint(path, training_state(step + 1, elapsed_before + time.perf_counter() - start))
+            progress.message(f"step {step + 1}: wrote {path}")
     progress.close()
 
-    wall = time.perf_counter() - start
+    wall = elapsed_before + time.perf_counter() - start
+    segment["wall_s"] = time.perf_counter() - start
     steps_done = len(record["train"]["step"])
+    if stopped:
+        _save_checkpoint(args.checkpoint, training_state(steps_done, wall))
+        if args.out:
+            _write_json(args.out, record)
+        print(f"stopped after step {steps_done} of {args.steps} by --time-limit {args.time_limit:g} s; "
+              f"wrote {args.checkpoint} (continue with --resume {args.checkpoint})", flush=True)
+        return record
     record["summary"] = {
         "steps": steps_done,
         "diverged": diverged,
@@ -408,6 +546,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "first_step_s": first_step_s,
         "wall_s": wall,
     }
+    if args.checkpoint is not None and not diverged:
+        _save_checkpoint(args.checkpoint, training_state(steps_done, wall))
     if args.out:
         _write_json(args.out, record)
     _print_summary(record, args.out)

@@ -75,6 +75,44 @@ def test_corpus_says_how_many_test_files_it_holds(tmp_path):
     assert corpus.load_corpus(bare, val_fraction=0.5).describe().count("test") == 0
 
 
+def test_corpus_with_packages_and_a_byte_cap(tmp_path, monkeypatch):
+    stdlib, packages = tmp_path / "lib", tmp_path / "site"
+    _fake_stdlib(stdlib)
+    for i in range(40):
+        (packages / f"pkg{i % 4}").mkdir(parents=True, exist_ok=True)
+        (packages / f"pkg{i % 4}" / f"m{i}.py").write_text(f"value_{i} = {i}\n" * (i + 1))
+    (packages / "pkg0" / "tests").mkdir()
+    (packages / "pkg0" / "tests" / "test_a.py").write_text("assert 1\n")
+    (packages / "pkg0" / "dangling.py").symlink_to(packages / "missing.py")
+    monkeypatch.setattr(corpus, "package_roots", lambda: [packages])
+    whole = corpus.load_corpus(stdlib, val_fraction=0.2, packages=True)
+    names = whole.train_files + whole.val_files
+    assert "os.py" in names and "site-packages/pkg1/m1.py" in names
+    assert not any("tests/" in n or "dangling" in n for n in names)
+    assert whole.stats()["package_files"] == 40 and whole.stats()["source"] == "python-stdlib+packages-py"
+    total = whole.train.numel() + whole.val.numel()
+    capped = corpus.load_corpus(stdlib, val_fraction=0.2, packages=True, max_bytes=total // 2)
+    assert capped.train.numel() + capped.val.numel() <= total // 2
+    assert capped.available_files == len(names) > len(capped.train_files) + len(capped.val_files)
+    assert "MB sample of" in capped.describe()
+    # The sample and the split depend only on the file names: the same files again.
+    corpus._CACHE.clear()
+    again = corpus.load_corpus(stdlib, val_fraction=0.2, packages=True, max_bytes=total // 2)
+    assert again.train_files == capped.train_files and torch.equal(again.train, capped.train)
+    with pytest.raises(ValueError, match="max_bytes"):
+        corpus.load_corpus(stdlib, packages=True, max_bytes=0)
+
+
+def test_batches_skip_continues_the_sequence():
+    tokens = torch.arange(200, dtype=torch.uint8)
+    stream = corpus.batches(tokens, 2, 8, seed=5)
+    first = [next(stream) for _ in range(5)]
+    later = corpus.batches(tokens, 2, 8, seed=5, skip=3)
+    for expected in first[3:]:
+        got = next(later)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
 def test_split_is_by_file_and_deterministic(tmp_path):
     _fake_stdlib(tmp_path)
     c = corpus.load_corpus(tmp_path, val_fraction=0.5)
@@ -226,6 +264,42 @@ def test_train_gpt_nvfp4(tmp_path, capsys):
     assert len(record["train"]["loss"]) == 2 and all(math.isfinite(v) for v in record["train"]["loss"])
 
 
+def test_train_gpt_resume_is_bit_exact(tmp_path):
+    base = ["--precision", "nvfp4", "--device", "cpu", *QUICK, "--steps", "4", "--eval-every", "2"]
+    ckpt = tmp_path / "a.pt"
+    whole = train_gpt.main([*base, "--checkpoint", str(ckpt), "--save-at", "2", "--out", str(tmp_path / "a.json")])
+    assert ckpt.exists() and train_gpt.checkpoint_path_at(ckpt, 2) == tmp_path / "a.step2.pt"
+    resumed = train_gpt.main([*base, "--resume", str(tmp_path / "a.step2.pt"), "--out", str(tmp_path / "b.json")])
+    # Same weights, optimizer state, data position and SR stream: the same bits as one uninterrupted run.
+    assert resumed["train"]["loss"] == whole["train"]["loss"]
+    assert resumed["val"] == whole["val"]
+    assert [(s["start_step"], s["end_step"]) for s in resumed["segments"]] == [(0, 2), (2, 4)]
+    assert resumed["summary"]["steps"] == 4 and resumed["summary"]["train_tokens"] == 4 * 4 * 32
+
+
+def test_train_gpt_time_limit_and_resume(tmp_path, capsys):
+    base = ["--precision", "bf16", "--device", "cpu", "--no-compile", *QUICK]
+    whole = train_gpt.main(base)
+    ckpt = tmp_path / "run.pt"
+    stopped = train_gpt.main([*base, "--checkpoint", str(ckpt), "--time-limit", "0"])
+    assert stopped["summary"] is None and len(stopped["train"]["step"]) == 1  # one step, then the limit
+    assert "stopped after step 1 of 3 by --time-limit" in capsys.readouterr().out
+    done = train_gpt.main([*base, "--resume", str(ckpt)])
+    assert done["train"]["loss"] == whole["train"]["loss"] and done["summary"]["steps"] == 3
+
+
+def test_train_gpt_resume_refuses_another_run(tmp_path):
+    ckpt = tmp_path / "run.pt"
+    base = ["--precision", "bf16", "--device", "cpu", "--no-compile", *QUICK]
+    train_gpt.main([*base, "--checkpoint", str(ckpt), "--save-at", "2"])
+    with pytest.raises(SystemExit, match=r"--seed 1 \(checkpoint: 0\)"):
+        train_gpt.main([*base, "--seed", "1", "--resume", str(ckpt)])
+    with pytest.raises(SystemExit):  # --save-at and --time-limit need somewhere to write
+        train_gpt.parse_args(["--time-limit", "5"])
+    with pytest.raises(SystemExit):
+        train_gpt.parse_args(["--checkpoint", "x.pt", "--save-at", "500", "--steps", "500"])
+
+
 # ------------------------------------------------------------------------------------- plot_runs
 
 
@@ -248,17 +322,29 @@ def test_relative_gap_matches_steps():
 # ------------------------------------------------------------------------------------- run_study
 
 
-def test_run_study_commands():
-    args = run_study.parse_args(["--out-dir", "out", "--switch-fraction", "0.8", "--", "--steps", "50", "--preset", "tiny"])
+def test_run_study_commands(tmp_path):
+    out = tmp_path / "out"
+    args = run_study.parse_args(["--out-dir", str(out), "--switch-fraction", "0.8", "--",
+                                 "--steps", "50", "--preset", "tiny"])
     assert args.configs == [c for c in run_study.CONFIGS if c != "nvfp4-fwd-only"]
     cmd = run_study.command("nvfp4-bf16-switch", args)
-    assert cmd[-8:] == ["--precision", "nvfp4", "--bf16-switch-at", "40", "--name", "nvfp4-bf16-switch",
-                        "--out", str(Path("out") / "nvfp4-bf16-switch.json")]
     assert cmd[2:6] == ["--steps", "50", "--preset", "tiny"]
+    assert cmd[6:] == ["--precision", "nvfp4", "--bf16-switch-at", "40", "--name", "nvfp4-bf16-switch",
+                       "--out", str(out / "nvfp4-bf16-switch.json"), "--checkpoint", str(out / "nvfp4-bf16-switch.pt"),
+                       "--resume", str(out / "nvfp4.step40.pt")]  # the fork continues nvfp4 from the switch
+    assert run_study.command("nvfp4", args, time_limit=99.6)[-4:] == ["--save-at", "40", "--time-limit", "100"]
+    assert "--resume" not in run_study.command("bf16", args)
+    out.mkdir()
+    (out / "bf16.pt").write_bytes(b"")  # a checkpoint from an earlier invocation: continue it
+    assert run_study.command("bf16", args)[-2:] == ["--resume", str(out / "bf16.pt")]
+    no_fork = run_study.parse_args(["--out-dir", str(out), "--no-fork", "--", "--steps", "50"])
+    assert "--resume" not in run_study.command("nvfp4-bf16-switch", no_fork)
+    assert "--save-at" not in run_study.command("nvfp4", no_fork)
     for name in run_study.CONFIGS:  # every configuration is a valid train_gpt.py command line
-        train_gpt.parse_args(run_study.command(name, args)[2:])
-    with pytest.raises(SystemExit):
-        run_study.parse_args(["--", "--out", "x.json"])
+        train_gpt.parse_args(run_study.command(name, args, time_limit=10)[2:])
+    for flag in ("--out", "--checkpoint", "--resume", "--time-limit"):
+        with pytest.raises(SystemExit):
+            run_study.parse_args(["--", flag, "x"])
     with pytest.raises(SystemExit):
         run_study.parse_args(["--parallel", "0"])
     assert run_study.parse_args(["--configs", "nvfp4", "bf16", "nvfp4"]).configs == ["nvfp4", "bf16"]
@@ -266,7 +352,8 @@ def test_run_study_commands():
 
 def test_run_study_runs_side_by_side(tmp_path, capfd):
     quick = [a for a in QUICK if a != "--quiet"]
-    rc = run_study.main(["--out-dir", str(tmp_path), "--configs", "bf16", "nvfp4", "--parallel", "2", "--", *quick])
+    configs = ["--configs", "bf16", "nvfp4", "nvfp4-bf16-switch"]
+    rc = run_study.main(["--out-dir", str(tmp_path), *configs, "--parallel", "3", "--", *quick])
     assert rc == 0
     out = capfd.readouterr().out  # the plot step is a subprocess
     assert "bf16: done" in out and "nvfp4: done" in out and "| nvfp4 | 3 |" in out
@@ -274,3 +361,29 @@ def test_run_study_runs_side_by_side(tmp_path, capfd):
         run = json.loads((tmp_path / f"{name}.json").read_text())
         assert run["name"] == name and run["summary"]["steps"] == 3
     assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "gap.png").stat().st_size > 0
+    # The switch run continued nvfp4's checkpoint after step 2 (int(3 * 0.9)): same first two losses.
+    nvfp4 = json.loads((tmp_path / "nvfp4.json").read_text())
+    switch = json.loads((tmp_path / "nvfp4-bf16-switch.json").read_text())
+    assert [s["start_step"] for s in switch["segments"]] == [0, 2]
+    assert switch["segments"][1]["resumed_from"] == str(tmp_path / "nvfp4.step2.pt")
+    assert switch["train"]["loss"][:2] == nvfp4["train"]["loss"][:2]
+    assert switch["high_precision_from_step"] == 2 and nvfp4["high_precision_from_step"] is None
+    # Again: everything is finished, nothing runs.
+    assert run_study.main(["--out-dir", str(tmp_path), *configs, "--", *quick]) == 0
+    out = capfd.readouterr().out
+    assert all(f"{n}: finished earlier" in out for n in ("bf16", "nvfp4", "nvfp4-bf16-switch"))
+
+
+def test_run_study_time_limit_then_continue(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr(run_study, "_MARGIN_S", 0.0)
+    argv = ["--out-dir", str(tmp_path), "--configs", "bf16", "--", *QUICK, "--no-compile"]
+    # A one-second limit: the run trains its first step, then stops and writes its checkpoint.
+    assert run_study.main(["--time-limit", "1", *argv]) == 0
+    assert "bf16: stopped by the time limit" in capfd.readouterr().out
+    partial = json.loads((tmp_path / "bf16.json").read_text())
+    assert partial["summary"] is None and (tmp_path / "bf16.pt").exists()
+    assert run_study.main(argv) == 0
+    assert "bf16: done" in capfd.readouterr().out
+    run = json.loads((tmp_path / "bf16.json").read_text())
+    assert run["summary"]["steps"] == 3 and len(run["segments"]) == 2
+    assert run["segments"][1]["start_step"] == len(partial["train"]["step"])
