@@ -33,6 +33,7 @@ FLT_MAX = torch.finfo(torch.float32).max
 SWEEPS = {
     "quantize_rows": [dict(BLOCK_M=32, BLOCK_K=256, num_warps=8), dict(BLOCK_M=64, BLOCK_K=256, num_warps=8)],
     "rht_quantize": [dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=128, BLOCK_K=64, num_warps=4)],
+    "rht_quantize_mx": [dict(BLOCK_M=32, BLOCK_K=128, num_warps=4), dict(BLOCK_M=64, BLOCK_K=64, num_warps=4)],
 }
 
 
@@ -85,6 +86,14 @@ def cases(n: int) -> list[Case]:
         Case("quantize_mxfp4 rne", lambda s: tk.quantize_mxfp4(s["x"]), 2 * n + n // 2 + n // 32 + 4, "quantize_mx"),
         Case("quantize_mxfp4 sr", lambda s: tk.quantize_mxfp4(s["x"], "sr", SEED), 2 * n + n // 2 + n // 32 + 4,
              "quantize_mx"),
+        Case(
+            "quantize_wgrad_operand_mxfp4 rne", lambda s: tk.quantize_wgrad_operand_mxfp4(s["x"]),
+            2 * n + n // 2 + n // 32 + 4, "rht_quantize_mx",
+        ),
+        Case(
+            "quantize_wgrad_operand_mxfp4 sr", lambda s: tk.quantize_wgrad_operand_mxfp4(s["x"], "sr", SEED),
+            2 * n + n // 2 + n // 32 + 4, "rht_quantize_mx",
+        ),
     ]
 
 
@@ -220,13 +229,14 @@ def check_all(state, outputs: dict) -> dict:
             result[name] = same_bits(out[0], formats.block_decode(ref["rne"]).to(torch.bfloat16))
         elif name == "fake_quantize_wgrad sr":
             result[name] = same_bits(out[0], formats.block_decode(ref["wgrad sr"]).to(torch.bfloat16))
-        elif name.startswith("quantize_mxfp4"):
-            mx = formats.quantize(xc, "mxfp4", "1x32", "sr" if name.endswith(" sr") else "rne", seed=SEED)
+        elif name.startswith(("quantize_mxfp4", "quantize_wgrad_operand_mxfp4")):
+            wgrad = name.startswith("quantize_wgrad")
+            mx = formats.quantize(rht if wgrad else xc, "mxfp4", "1x32", "sr" if name.endswith(" sr") else "rne", seed=SEED)
             data, scales, amax = (t.cpu() for t in out)
             problems = [what for what, same in (
                 ("codes", torch.equal(data, mx.data.view(torch.uint8))),
                 ("scales", torch.equal(scales, mx.scales.view(torch.uint8))),
-                ("amax", torch.equal(amax, amax_x)),
+                ("amax", torch.equal(amax, amax_rht if wgrad else amax_x)),
             ) if not same]
             result[name] = f"{', '.join(problems)} differ" if problems else ""
         elif name.startswith("dequantize"):

@@ -1,9 +1,10 @@
-"""Triton kernels that emulate NVFP4 on GPUs without FP4 tensor cores (Hopper and older).
+"""Triton kernels that emulate NVFP4 and MXFP4 on GPUs without FP4 tensor cores (Hopper and older).
 
 Every kernel produces exactly the bits of ``fp4compile.formats`` (the CPU reference): the same packed
-E2M1 codes, E4M3 block scales and global amax, including stochastic rounding (the counter-based bits
-of ``formats.sr_random_bits`` are regenerated per element from (seed, flat index)) and the
-NaN/Inf/zero cases of the global scale. What they add is speed: one pass over the tensor per kernel.
+E2M1 codes, E4M3 (or E8M0) block scales and global amax, including stochastic rounding (the
+counter-based bits of ``formats.sr_random_bits`` are regenerated per element from (seed, flat index))
+and the NaN/Inf/zero cases of the global scale. What they add is speed: one pass over the tensor per
+kernel.
 
 | function | what it returns | equals |
 |---|---|---|
@@ -12,6 +13,8 @@ NaN/Inf/zero cases of the global scale. What they add is speed: one pass over th
 | ``quantize_1x16(x, rounding, seed, amax, swizzle)`` | (codes uint8 [M, K/2], scales uint8, amax) | ``quantize(x, "nvfp4", "1x16", ..)`` |
 | ``quantize_16x16(w, ...)`` | same, 16x16 tiles (scales repeated per row) | ``quantize(w, "nvfp4", "16x16", ..)`` |
 | ``quantize_wgrad_operand(x, rounding, seed, ..)`` | quantized RHT(x^T): [K, tokens/2] .. | ``quantize(rht(x.t()), ..)`` |
+| ``quantize_mxfp4(x, rounding, seed)`` | (codes [M, K/2], E8M0 scale bytes [M, K/32], max abs of x) | ``quantize(x, "mxfp4", "1x32", ..)`` |
+| ``quantize_wgrad_operand_mxfp4(x, ..)`` | the same for RHT(x^T): [K, tokens/2] .. | ``quantize(rht(x.t()), "mxfp4", ..)`` |
 | ``fake_quantize_*`` | (value(code) * block scale in bf16, amax) | ``block_decode(quantize(..))`` |
 | ``dequantize`` / ``block_decode`` | decoded tensor from codes and scales | ``formats.dequantize`` / ``block_decode`` |
 | ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alphas | ``ops.scaled_mm_reference`` |
@@ -20,10 +23,12 @@ The fake-quant outputs are exact in bf16 (an E2M1 value times an E4M3 scale has 
 bits), so an emulated FP4 GEMM is a plain bf16 GEMM with fp32 accumulation followed by the per-tensor
 decode factors: the same arithmetic a Blackwell block-scaled GEMM does, up to the summation order.
 
-A global amax needs a pass of its own before the quantizing pass (the block scales depend on it). With
-``amax=`` given, the quantizing pass runs at once and tracks the tensor's own amax on the side, because
-a non-finite own amax wins over the given one (as in ``formats.quantize``); a fix-up pass, which exits
-at once when the own amax is finite, then redoes the tensor in that rare case.
+MXFP4 has no global scale: its kernels quantize in one pass and take the amax they report on the side
+(an atomic max over the bits of |x|, NaN above Inf). For NVFP4 a global amax needs a pass of its own
+before the quantizing pass (the block scales depend on it). With ``amax=`` given, the quantizing pass
+runs at once and tracks the tensor's own amax on the side, because a non-finite own amax wins over the
+given one (as in ``formats.quantize``); a fix-up pass, which exits at once when the own amax is
+finite, then redoes the tensor in that rare case.
 
 Arithmetic notes: divisions use ``div_rn`` (Triton's ``/`` is approximate on NVIDIA GPUs), every
 kernel is compiled without mul+add contraction, E4M3 and E2M1 rounding are done on the fp32 bits (and
@@ -63,6 +68,8 @@ __all__ = [
     "quantize_1x16",
     "quantize_16x16",
     "quantize_wgrad_operand",
+    "quantize_mxfp4",
+    "quantize_wgrad_operand_mxfp4",
     "fake_quantize_1x16",
     "fake_quantize_16x16",
     "fake_quantize_wgrad_operand",
@@ -70,6 +77,7 @@ __all__ = [
     "block_decode",
     "emulated_scaled_mm",
     "quantize_provider",
+    "rht_quantize_provider",
     "CONFIGS",
 ]
 
@@ -84,6 +92,7 @@ CONFIGS = {
     "rht_quantize": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
     "decode": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
     "quantize_mx": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
+    "rht_quantize_mx": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
     "epilogue": dict(BLOCK=4096, num_warps=8),
 }
 
@@ -391,14 +400,36 @@ if triton is not None:
     # MXFP4: 1x32 blocks with E8M0 (power-of-two) scales, no global scale
     # ------------------------------------------------------------------------------------------
 
+    @_jit()
+    def _mx_scale(bits):
+        """(E8M0 scale byte, fp32 factor 2**-exp) of blocks whose abs max has the bits ``bits`` (int32).
+
+        As ``formats.quantize(.., "mxfp4")``: exp = floor(log2 bamax) - 2 from the exponent field, clamped
+        to [-127, 127] (zero and subnormal maxima give -127). Non-finite blocks get scale byte 0xFF (NaN)
+        and are encoded as the reference does: an Inf block with 2**-3, a NaN block with 2**-127.
+        """
+        exp = tl.maximum((bits >> 23) - 129, -127)
+        exp = tl.where(bits > 0x7F800000, -127, tl.where(bits == 0x7F800000, -3, exp))
+        scale_code = tl.where(bits >= 0x7F800000, 255, exp + 127).to(tl.uint8)
+        # x / 2**exp, exactly: a multiplication by the (normal) power of two 2**-exp.
+        return scale_code, ((127 - exp) << 23).to(tl.float32, bitcast=True)
+
+    @_jit()
+    def _mx_codes(v, index, seed_lo, seed_hi, SR: tl.constexpr):
+        """4-bit codes (uint8) of the scaled values v; ``index`` (int64 flat indices) is read with SR only."""
+        if SR:
+            code, _ = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
+        else:
+            code, _ = _e2m1_rne(v)
+        return tl.where(v == v, code, 0).to(tl.uint8)  # NaN: index 0, as the reference's comparisons give
+
     @_jit(do_not_specialize=("seed_lo", "seed_hi"))
     def _quantize_mx_kernel(
-        x_ptr, data_ptr, scales_ptr, M, K, stride_xm, seed_lo, seed_hi,
+        x_ptr, data_ptr, scales_ptr, amax_ptr, M, K, stride_xm, seed_lo, seed_hi,
         SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """``formats.quantize(x, "mxfp4", "1x32")``: scale 2**(floor(log2 bamax) - 2) clamped to
-        [2**-127, 2**127], code of x / scale. Non-finite blocks get scale byte 0xFF (NaN) and are
-        encoded as the reference does (an Inf block with 2**-3, a NaN block with 2**-127)."""
+        [2**-127, 2**127], code of x / scale (``_mx_scale``); atomic max of the |x| bits into amax_ptr."""
         NB: tl.constexpr = BLOCK_K // 32
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -409,19 +440,13 @@ if triton is not None:
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
         x3 = tl.reshape(x.to(tl.float32), (BLOCK_M, NB, 32))
         bits = tl.max(_abs_bits(x3), axis=2)  # [BLOCK_M, NB]; NaN sorts above Inf
-        # floor(log2 bamax) - 2 from the exponent field; zero and subnormal maxima clamp to -127.
-        exp = tl.maximum((bits >> 23) - 129, -127)
-        exp = tl.where(bits > 0x7F800000, -127, tl.where(bits == 0x7F800000, -3, exp))
-        scale_code = tl.where(bits >= 0x7F800000, 255, exp + 127).to(tl.uint8)
-        # x / 2**exp, exactly: a multiplication by the (normal) power of two 2**-exp.
-        inv_scale = ((127 - exp) << 23).to(tl.float32, bitcast=True)
+        scale_code, inv_scale = _mx_scale(bits)
         v = x3 * inv_scale[:, :, None]
         if SR:
             index = tl.reshape(rows.to(tl.int64)[:, None] * K + cols[None, :], (BLOCK_M, NB, 32))
-            code, _ = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
         else:
-            code, _ = _e2m1_rne(v)
-        code = tl.where(v == v, code, 0).to(tl.uint8)  # NaN: index 0, as the reference's comparisons give
+            index = 0
+        code = _mx_codes(v, index, seed_lo, seed_hi, SR)
         lo, hi = tl.split(tl.reshape(code, (BLOCK_M, BLOCK_K // 2, 2)))
         pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         pmask = row_ok[:, None] & (pcols < K // 2)[None, :]
@@ -429,6 +454,7 @@ if triton is not None:
         scols = pid_k * NB + tl.arange(0, NB)
         smask = row_ok[:, None] & (scols < K // 32)[None, :]
         tl.store(scales_ptr + rows.to(tl.int64)[:, None] * (K // 32) + scols[None, :], scale_code, mask=smask)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
 
     # ------------------------------------------------------------------------------------------
     # Weight-gradient operand: quantize(RHT(x^T)) with 16-token RHT chunks = 16-token blocks
@@ -575,6 +601,40 @@ if triton is not None:
             )
             if PASS == 1:
                 tl.atomic_max(own_ptr, tile_amax_bits)
+
+    @_jit(do_not_specialize=("seed_lo", "seed_hi"))
+    def _rht_quantize_mx_kernel(
+        x_ptr, data_ptr, scales_ptr, amax_ptr, M, K, stride_xm, seed_lo, seed_hi,
+        SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """MXFP4 1x32 quantization of RHT(x^T) (two consecutive 16-token RHT chunks form a 32-token block);
+        outputs are [K, M]-shaped. Atomic max of the |RHT(x^T)| bits into amax_ptr."""
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        y, _, _, cols = _rht_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K)
+        y = tl.reshape(y, (BLOCK_M // 32, 32, BLOCK_K))  # [block, token in block, column]
+        bits = tl.max(_abs_bits(y), axis=1)  # [block, column]; NaN sorts above Inf
+        scale_code, inv_scale = _mx_scale(bits)
+        v = y * inv_scale[:, None, :]
+        blocks = pid_m * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)
+        if SR:
+            # Flat index of element (k, token) of the [K, M] tensor that formats.quantize sees.
+            tokens3 = (blocks.to(tl.int64) * 32)[:, None, None] + tl.arange(0, 32)[None, :, None]
+            index = cols.to(tl.int64)[None, None, :] * M + tokens3
+        else:
+            index = 0
+        code = _mx_codes(v, index, seed_lo, seed_hi, SR)
+        col_ok = cols < K
+        lo, hi = tl.split(tl.reshape(tl.permute(code, (2, 0, 1)), (BLOCK_K, BLOCK_M // 2, 2)))
+        pcols = pid_m * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
+        pmask = col_ok[:, None] & (pcols < M // 2)[None, :]
+        tl.store(data_ptr + cols.to(tl.int64)[:, None] * (M // 2) + pcols[None, :], lo | (hi << 4), mask=pmask)
+        smask = col_ok[:, None] & (blocks < M // 32)[None, :]
+        tl.store(
+            scales_ptr + cols.to(tl.int64)[:, None] * (M // 32) + blocks[None, :], tl.permute(scale_code, (1, 0)),
+            mask=smask,
+        )
+        tl.atomic_max(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
 
     # ------------------------------------------------------------------------------------------
     # Decode, and the emulated GEMM's epilogue
@@ -837,27 +897,54 @@ def quantize_wgrad_operand(
     return _quantize_wgrad(x, rounding, seed, amax, swizzle, fake=False)
 
 
+def _quantize_mx(kernel, x2, rows, cols, cfg, grid, rounding, seed):
+    """Launch an MXFP4 kernel writing codes [rows, cols/2], scales [rows, cols/32] and the amax bits."""
+    seed_lo, seed_hi = _seed_halves(rounding, seed)
+    data = torch.empty((rows, cols // 2), dtype=torch.uint8, device=x2.device)
+    scales = torch.empty((rows, cols // 32), dtype=torch.uint8, device=x2.device)
+    amax = torch.zeros(1, dtype=torch.int32, device=x2.device)
+    kernel[grid](
+        x2, data, scales, amax, x2.shape[0], x2.shape[1], x2.stride(0), seed_lo, seed_hi,
+        SR=rounding == "sr", BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
+    )
+    return data, scales, amax.view(torch.float32).reshape(())
+
+
 def quantize_mxfp4(
     x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MXFP4 with 1x32 blocks along the last dim: (codes uint8 [..., K/2], E8M0 scale bytes [..., K/32],
-    amax = max |x| fp32 0-dim). Bit for bit ``formats.quantize(x, "mxfp4", "1x32", rounding, seed=seed)``
-    (the amax is what ``fp4.quantize`` reports for MXFP4: the format itself has no global scale)."""
+    amax = max |x| fp32 0-dim), in one pass. Bit for bit ``formats.quantize(x, "mxfp4", "1x32", rounding,
+    seed=seed)``; the amax is what ``fp4.quantize`` reports for MXFP4 (the format itself has no global
+    scale): ``x.float().abs().amax()``, NaN where x holds a NaN (the NaN's payload may differ)."""
     _require_triton()
     x2 = _as_rows(x, "quantize_mxfp4", cols_multiple=32)
     m, k = x2.shape
     cfg = CONFIGS["quantize_mx"]
-    seed_lo, seed_hi = _seed_halves(rounding, seed)
-    data = torch.empty((m, k // 2), dtype=torch.uint8, device=x2.device)
-    scales = torch.empty((m, k // 32), dtype=torch.uint8, device=x2.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
-    _quantize_mx_kernel[grid](
-        x2, data, scales, m, k, x2.stride(0), seed_lo, seed_hi,
-        SR=rounding == "sr", BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
-    )
-    amax = _amax_bits(x2).view(torch.float32).reshape(())
+    data, scales, amax = _quantize_mx(_quantize_mx_kernel, x2, m, k, cfg, grid, rounding, seed)
     lead = x.shape[:-1]
     return data.reshape(*lead, k // 2), scales.reshape(*lead, k // 32), amax
+
+
+def quantize_wgrad_operand_mxfp4(
+    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP4 quantized RHT(x^T) for x [tokens, K] (leading dims flattened into tokens, a multiple of 32).
+
+    Transpose, 16-point RHT along tokens and 1x32 quantization along tokens in one pass (two
+    consecutive RHT chunks form a block): returns (codes uint8 [K, tokens/2], E8M0 scale bytes
+    [K, tokens/32], amax fp32 0-dim), bit for bit ``formats.quantize(formats.rht(x2.t()), "mxfp4",
+    "1x32", rounding, seed=seed)`` with x2 = x as [tokens, K]. The amax is max |RHT(x^T)|, what
+    ``fp4.rht_quantize`` reports for MXFP4; NaN where the transformed operand holds a NaN (the NaN's
+    payload may differ from the reference's), Inf where it overflowed to Inf.
+    """
+    _require_triton()
+    x2 = _as_rows(x, "quantize_wgrad_operand_mxfp4", rows_multiple=32, cols_multiple=1)
+    m, k = x2.shape  # m tokens
+    cfg = CONFIGS["rht_quantize_mx"]
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    return _quantize_mx(_rht_quantize_mx_kernel, x2, k, m, cfg, grid, rounding, seed)
 
 
 def fake_quantize_1x16(
@@ -964,14 +1051,18 @@ def quantize_provider(x: torch.Tensor, fmt: str, block: str):
 
 
 def rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str):
-    """A provider for ``runtime.register_rht_quantize_provider``: ``quantize_wgrad_operand`` for NVFP4
-    1x16 with the 16-point RHT on a 2-D CUDA operand [K, tokens] (the transposed view the wgrad GEMM reads).
+    """A provider for ``runtime.register_rht_quantize_provider``: the fused transpose + 16-point RHT +
+    quantize kernels for a 2-D CUDA operand [K, tokens] (the transposed view the wgrad GEMM reads),
+    ``quantize_wgrad_operand`` for NVFP4 1x16 and ``quantize_wgrad_operand_mxfp4`` for MXFP4 1x32.
 
     Returns a callable (x, rounding, seed) -> (data, scales, amax), or None where it cannot take the call.
     """
-    if fmt != "nvfp4" or block != "1x16" or size != 16 or not x.is_cuda or x.dtype not in _INPUT_DTYPES:
+    if (fmt, block) not in (("nvfp4", "1x16"), ("mxfp4", "1x32")) or size != 16:
         return None
-    if not available()[0] or x.dim() != 2 or x.shape[-1] % 16 or x.numel() == 0:
+    if not x.is_cuda or x.dtype not in _INPUT_DTYPES or not available()[0] or x.dim() != 2 or x.numel() == 0:
         return None
+    if x.shape[-1] % (32 if fmt == "mxfp4" else 16):
+        return None
+    if fmt == "mxfp4":
+        return lambda x, rounding, seed: quantize_wgrad_operand_mxfp4(x.t(), rounding, seed)
     return lambda x, rounding, seed: quantize_wgrad_operand(x.t(), rounding, seed)
-

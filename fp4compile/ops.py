@@ -107,9 +107,9 @@ def rht_quantize(
     """``fp4.quantize(fp4.rht(x, size), ...)`` in one op: what the weight-gradient operands need.
 
     The bits of the CPU reference ``formats.quantize(formats.rht(x, size), ...)``, with the SR stream of
-    the two ops. Where a fused kernel takes the call (NVFP4 on CUDA: a Triton kernel pair that reads x,
-    transforms it summing in the reference's order, and quantizes) the RHT output is never written
-    out. Elsewhere the op runs ``formats.rht`` and then the quantizer.
+    the two ops. Where a fused kernel takes the call (on CUDA: for NVFP4 a Triton kernel pair, for MXFP4
+    1x32 one Triton kernel, that reads x, transforms it summing in the reference's order, and quantizes)
+    the RHT output is never written out. Elsewhere the op runs ``formats.rht`` and then the quantizer.
     """
     stream = runtime.sr_seed(seed) if rounding == "sr" else 0
     kernel = runtime.rht_quantize_kernel(x, size, fmt, block)

@@ -5,9 +5,10 @@ Guarantees: every ``fp4.quantize`` whose input is an ``fp4.rht`` node used by no
 by ``fp4.rht_quantize(x, size, fmt, block, rounding, seed, check)`` with the same seed and check label,
 so the bits are those of the CPU reference of the two ops; the ``fp4.rht`` node is removed. The quantize metadata stays on
 the new node, with ``rht`` set to the transform size. Operands quantized with a sharded amax
-(``fp4.quantize_sharded``) keep their separate RHT. On CUDA the fused op is one Triton kernel pair
-(amax after the transform, then transform and quantize) that reads the untransposed operand, sums the
-RHT in the reference's order and never writes the transformed tensor; elsewhere it computes the two
+(``fp4.quantize_sharded``) keep their separate RHT. Both formats are fused. On CUDA the fused op is
+one Triton kernel pair for NVFP4 (amax after the transform, then transform and quantize) and one
+Triton kernel for MXFP4 1x32 (no global scale), each reading the untransposed operand, summing the
+RHT in the reference's order and never writing the transformed tensor; elsewhere it computes the two
 steps in turn.
 """
 

@@ -14,6 +14,7 @@ from fp4compile import Recipe, ops
 from fp4compile.passes.assign_precision import assign_precision
 from fp4compile.passes.find_blocks import find_blocks
 from fp4compile.passes.find_gemm_sites import find_gemm_sites
+from fp4compile.passes.fuse_rht_quantize import fuse_rht_quantize
 from fp4compile.passes.insert_quantize import insert_quantize
 from fp4compile.passes.insert_rht import insert_rht
 from fp4compile.passes.lower_scaled_mm import lower_scaled_mm
@@ -209,6 +210,36 @@ def test_lower_scaled_mm_replaces_every_quantized_gemm(marked):
             assert all(a.target is operator.getitem and a.args[0].target is F4.quantize.default for a in mm.args[:6])
     assert ctx.sites[2].roles["fprop"].kernel == "emulation"
     assert "not a CUDA GPU" in ctx.sites[2].roles["fprop"].kernel_reason
+
+
+@pytest.mark.parametrize("fmt, block", [("nvfp4", "1x16"), ("mxfp4", "1x32")])
+def test_fuse_rht_quantize_fuses_both_wgrad_operands(dynamo_graph, fmt, block):
+    """Each wgrad operand's RHT moves into its quantize, for both formats (on CUDA the fused op is one
+    Triton kernel per format), with the seed and metadata of the quantize it replaces."""
+    _, gm, example = dynamo_graph
+    ctx = CompileContext(Recipe(fmt=fmt), 0)
+    for p in (find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear):
+        p(gm, ctx)
+    unfused = aot_graphs(gm, example, ctx, [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm])
+    seeds = {(n.meta["fp4_quantize"]["site"], n.meta["fp4_quantize"]["operand"]): n.args[4]
+             for n in role_nodes(unfused["backward"], F4.quantize.default) if n.args[0].target is F4.rht.default}
+    assert len(seeds) == 8
+    passes = [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize]
+    graphs = aot_graphs(gm, example, ctx, passes)
+    assert role_nodes(graphs["forward"], F4.rht_quantize.default) == []
+    backward = graphs["backward"]
+    assert role_nodes(backward, F4.rht.default) == []
+    fused = role_nodes(backward, F4.rht_quantize.default)
+    assert len(fused) == 8
+    for node in fused:
+        meta = node.meta["fp4_quantize"]
+        assert node.args[1:4] == (16, fmt, block) and meta["role"] == "wgrad" and meta["rht"] == 16
+        assert node.args[5] == seeds[(meta["site"], meta["operand"])]
+        assert {u.args[0] for u in node.users} == {node}
+        for mm in {v for u in node.users for v in u.users}:
+            assert mm.target is F4.scaled_mm.default and mm.args[6] == fmt
+    # The quantize nodes of fprop and dgrad stay as they are.
+    assert len(role_nodes(backward, F4.quantize.default)) == 8
 
 
 def test_quantize_dequantize_stage_is_numerically_close_to_lowered(marked):

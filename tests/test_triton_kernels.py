@@ -353,40 +353,45 @@ def test_gpu_given_amax_non_finite():
 # ----------------------------------------------------------------------------------------------
 
 
-def _op_reference(x, rounding, seed):
+def _op_reference(x, rounding, seed, fmt="nvfp4", block="1x16"):
     """fp4.quantize(fp4.rht(x)) on the CPU: the two unfused ops, same SR stream."""
     import fp4compile  # noqa: F401  (registers the ops)
 
-    return torch.ops.fp4.quantize(torch.ops.fp4.rht(x.cpu(), 16), "nvfp4", "1x16", rounding, seed, "")
+    return torch.ops.fp4.quantize(torch.ops.fp4.rht(x.cpu(), 16), fmt, block, rounding, seed, "")
 
 
+FORMAT_BLOCKS = [("nvfp4", "1x16"), ("mxfp4", "1x32")]
+
+
+@pytest.mark.parametrize("fmt, block", FORMAT_BLOCKS)
 @pytest.mark.parametrize("rounding", ["rne", "sr"])
-def test_rht_quantize_op_equals_the_two_ops_on_cpu(rounding):
-    x = sample((48, 64), torch.bfloat16, seed=30)
-    got = torch.ops.fp4.rht_quantize(x, 16, "nvfp4", "1x16", rounding, 1234, "")
-    for g, w in zip(got, _op_reference(x, rounding, 1234)):
+def test_rht_quantize_op_equals_the_two_ops_on_cpu(rounding, fmt, block):
+    x = sample((64, 64), torch.bfloat16, seed=30)
+    got = torch.ops.fp4.rht_quantize(x, 16, fmt, block, rounding, 1234, "")
+    for g, w in zip(got, _op_reference(x, rounding, 1234, fmt, block)):
         assert torch.equal(g, w)
     with pytest.raises(FloatingPointError, match="layer 'l' wgrad operand X"):
         x[3, 5] = float("nan")
-        torch.ops.fp4.rht_quantize(x, 16, "nvfp4", "1x16", rounding, 1234, "layer 'l' wgrad operand X")
+        torch.ops.fp4.rht_quantize(x, 16, fmt, block, rounding, 1234, "layer 'l' wgrad operand X")
     # A finite operand that overflows in the transform: the error counts the transformed values.
-    big = torch.full((32, 16), 60000.0, dtype=torch.float16)
+    big = torch.full((32, 32), 60000.0, dtype=torch.float16)
     with pytest.raises(FloatingPointError, match=r"0 NaN, (\d+) Inf") as err:
-        torch.ops.fp4.rht_quantize(big, 16, "nvfp4", "1x16", rounding, 1, "layer 'l' wgrad operand dY^T")
+        torch.ops.fp4.rht_quantize(big, 16, fmt, block, rounding, 1, "layer 'l' wgrad operand dY^T")
     assert int(err.value.args[0].split(" NaN, ")[1].split(" Inf")[0]) > 0
 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("fmt, block", FORMAT_BLOCKS)
 @pytest.mark.parametrize("rounding", ["rne", "sr"])
-def test_gpu_rht_quantize_op_takes_the_fused_kernel(rounding):
+def test_gpu_rht_quantize_op_takes_the_fused_kernel(rounding, fmt, block):
     from fp4compile import runtime
 
     tokens = sample((2048, 768), torch.bfloat16, seed=31)  # [tokens, K]: the wgrad operand is its transpose
-    assert runtime.rht_quantize_kernel(tokens.cuda().t(), 16, "nvfp4", "1x16") is not None
-    want = _op_reference(tokens.t(), rounding, 99)
+    assert runtime.rht_quantize_kernel(tokens.cuda().t(), 16, fmt, block) is not None
+    want = _op_reference(tokens.t(), rounding, 99, fmt, block)
     for operand in (tokens.cuda().t(), tokens.t().contiguous().cuda()):  # transposed view and contiguous
-        got = torch.ops.fp4.rht_quantize(operand, 16, "nvfp4", "1x16", rounding, 99, "")
+        got = torch.ops.fp4.rht_quantize(operand, 16, fmt, block, rounding, 99, "")
         for g, w in zip(got, want):
             assert torch.equal(g.cpu(), w)
 
@@ -407,6 +412,24 @@ def _mx_special_values(dtype):
     return x
 
 
+def assert_same_mx_quantization(data, scales, amax, ref: formats.QTensor, ref_input):
+    """Same scale bytes and codes as the MXFP4 ``ref`` (code magnitudes only where the reference's scaled
+    value is NaN, as ``assert_same_quantization``), and amax = max |ref_input|, what ``fp4.quantize``
+    reports for MXFP4: the same bits, or NaN where that is NaN (the NaN's payload is not compared)."""
+    data, scales, amax = data.cpu(), scales.cpu(), amax.cpu()
+    assert scales.dtype == torch.uint8 and scales.shape == ref.scales.shape
+    bad = (scales != ref.scales.view(torch.uint8)).nonzero()
+    assert len(bad) == 0, f"{len(bad)} scales differ, first at {bad[0].tolist()}"
+    codes, ref_codes = formats.unpack_e2m1(data), ref.codes()
+    assert codes.shape == ref_codes.shape
+    nan = torch.isnan(formats.block_decode(ref))
+    same = torch.where(nan, (codes & 7) == (ref_codes & 7), codes == ref_codes)
+    assert same.all(), f"{int((~same).sum())} codes differ, first at {(~same).nonzero()[0].tolist()}"
+    want = ref_input.float().abs().amax()
+    assert amax.dtype == torch.float32 and amax.shape == ()
+    assert torch.equal(amax, want) or (amax.isnan().item() and want.isnan().item()), (amax, want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rounding", ["rne", "sr"])
 def test_quantize_mxfp4(dtype, rounding):
@@ -414,13 +437,9 @@ def test_quantize_mxfp4(dtype, rounding):
         data, scales, amax = tk.quantize_mxfp4(x.to(DEVICE), rounding, seed=BIG_SEED)
         ref = formats.quantize(x, "mxfp4", "1x32", rounding, seed=BIG_SEED)
         assert scales.shape == (x.shape[0], x.shape[1] // 32)
-        assert torch.equal(scales.cpu(), ref.scales.view(torch.uint8))
-        codes, ref_codes = formats.unpack_e2m1(data.cpu()), ref.codes()
-        nan = torch.isnan(formats.block_decode(ref))
-        same = torch.where(nan, (codes & 7) == (ref_codes & 7), codes == ref_codes)
-        assert same.all(), f"{int((~same).sum())} codes differ, first at {(~same).nonzero()[0].tolist()}"
-        want = x.float().abs().amax()
-        assert torch.equal(amax.cpu(), want) or (amax.isnan().item() and want.isnan().item())
+        assert_same_mx_quantization(data, scales, amax, ref, x)
+        # The amax comes from the quantizing pass: the bits of the separate amax reduction, NaN included.
+        assert torch.equal(amax.view(torch.int32), tk.global_amax(x.to(DEVICE)).view(torch.int32))
 
 
 def test_mxfp4_provider_and_shape_errors():
@@ -464,3 +483,160 @@ def test_quantize_mxfp4_property(rows, k_blocks, decade, spread, rounding, dtype
     ref = formats.quantize(x, "mxfp4", "1x32", rounding, seed=seed)
     assert torch.equal(scales.cpu(), ref.scales.view(torch.uint8))
     assert torch.equal(formats.unpack_e2m1(data.cpu()), ref.codes())
+
+
+# ----------------------------------------------------------------------------------------------
+# MXFP4 weight-gradient operand: quantize(RHT(x^T)) with 32-token blocks of two RHT chunks
+# ----------------------------------------------------------------------------------------------
+
+
+def mx_wgrad_reference(x, rounding, seed=None):
+    """(formats.quantize(rht(x2^T), "mxfp4", "1x32"), rht(x2^T)) with x2 = x as [tokens, K]."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = formats.rht(x2.t().contiguous(), 16)
+    return formats.quantize(y, "mxfp4", "1x32", rounding, seed=seed), y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_quantize_wgrad_operand_mxfp4(dtype, rounding):
+    x = sample((96, 48), dtype, seed=42)  # 96 tokens, 48 features: neither a multiple of the tile
+    data, scales, amax = tk.quantize_wgrad_operand_mxfp4(x.to(DEVICE), rounding, seed=BIG_SEED)
+    assert data.shape == (48, 48) and scales.shape == (48, 3)
+    assert_same_mx_quantization(data, scales, amax, *mx_wgrad_reference(x, rounding, seed=BIG_SEED))
+    # The same seed gives the same bits.
+    again = tk.quantize_wgrad_operand_mxfp4(x.to(DEVICE), rounding, seed=BIG_SEED)
+    assert all(torch.equal(a, b) for a, b in zip(again, (data, scales, amax)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_wgrad_operand_mxfp4_special_values(dtype):
+    """Zero blocks, -0, subnormals, ties, tiny and huge blocks, an Inf block, a lone -Inf and a NaN (each
+    spreads over its 16-token RHT chunk), and for float16 an overflow to Inf in the transform."""
+    x = _mx_special_values(dtype).t().contiguous()  # [64 tokens, 64 features]: the special rows become columns
+    if dtype == torch.float16:
+        x[32:48, 10] = 60000.0  # finite, but 16 * 60000 / 4 overflows float16 after the RHT
+    for rounding in ("rne", "sr"):
+        out = tk.quantize_wgrad_operand_mxfp4(x.to(DEVICE), rounding, seed=11)
+        ref, y = mx_wgrad_reference(x, rounding, seed=11)
+        assert_same_mx_quantization(*out, ref, y)
+        assert out[2].isnan()  # the NaN wins the amax, as in the reference
+
+
+@pytest.mark.parametrize("fill", [0.0, float("inf"), float("nan")])
+def test_quantize_wgrad_operand_mxfp4_zero_and_non_finite(fill):
+    """The reported amax: 0 for a zero tensor, Inf for an Inf (its chunk becomes +-Inf), NaN for a NaN
+    (the kernel's atomic max over the |y| bits sorts NaN above Inf, so any NaN wins, as in torch.amax)."""
+    x = sample((64, 32), torch.bfloat16, seed=43)
+    if fill == 0.0:
+        x.zero_()
+    else:
+        x[5, 7] = fill
+    for rounding in ("rne", "sr"):
+        data, scales, amax = tk.quantize_wgrad_operand_mxfp4(x.to(DEVICE), rounding, seed=1)
+        ref, y = mx_wgrad_reference(x, rounding, seed=1)
+        assert_same_mx_quantization(data, scales, amax, ref, y)
+        if fill == 0.0:
+            assert amax.item() == 0.0 and (scales.cpu() == 0).all()  # E8M0 2**-127
+        elif fill == float("inf"):
+            assert amax.item() == float("inf") and (scales.cpu()[7, :1] == 0xFF).all()
+        else:
+            assert amax.isnan() and (scales.cpu()[7, :1] == 0xFF).all()
+
+
+def test_quantize_wgrad_operand_mxfp4_batched_and_strided():
+    x = sample((2, 48, 40), torch.bfloat16, seed=44)  # 96 tokens in two leading dims
+    data, scales, amax = tk.quantize_wgrad_operand_mxfp4(x.to(DEVICE), "sr", seed=3)
+    assert data.shape == (40, 48) and scales.shape == (40, 3)
+    assert_same_mx_quantization(data, scales, amax, *mx_wgrad_reference(x, "sr", seed=3))
+    wide = sample((32, 96), torch.float16, seed=45)
+    view = wide.to(DEVICE)[:, 16:56]  # token rows with a stride of 96
+    out = tk.quantize_wgrad_operand_mxfp4(view, "rne")
+    assert_same_mx_quantization(*out, *mx_wgrad_reference(wide[:, 16:56], "rne"))
+
+
+@pytest.mark.parametrize("config", [dict(BLOCK_M=64, BLOCK_K=16, num_warps=4), dict(BLOCK_M=128, BLOCK_K=32, num_warps=4)])
+def test_quantize_wgrad_operand_mxfp4_tiles(monkeypatch, config):
+    """Other launch configurations give the same bits: partial token tiles, several tiles along K."""
+    monkeypatch.setitem(tk.CONFIGS, "rht_quantize_mx", config)
+    x = sample((96, 48), torch.float16, seed=48)
+    out = tk.quantize_wgrad_operand_mxfp4(x.to(DEVICE), "sr", seed=BIG_SEED)
+    assert_same_mx_quantization(*out, *mx_wgrad_reference(x, "sr", seed=BIG_SEED))
+
+
+def test_quantize_wgrad_operand_mxfp4_shape_errors():
+    with pytest.raises(ValueError, match=r"48 rows \(shape \(48, 16\)\) is not a multiple of 32"):
+        tk.quantize_wgrad_operand_mxfp4(torch.zeros(48, 16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"48 rows \(shape \(3, 16, 8\)\) is not a multiple of 32"):
+        tk.quantize_wgrad_operand_mxfp4(torch.zeros(3, 16, 8, device=DEVICE))
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        tk.quantize_wgrad_operand_mxfp4(torch.zeros(32, 16, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="rounding"):
+        tk.quantize_wgrad_operand_mxfp4(torch.zeros(32, 16, device=DEVICE), "stochastic")
+
+
+class _CudaOperand:
+    """What the providers read of an operand, as a CUDA tensor of that shape and dtype shows it."""
+
+    is_cuda = True
+
+    def __init__(self, shape, dtype=torch.bfloat16):
+        self.shape, self.dtype = torch.Size(shape), dtype
+
+    def dim(self):
+        return len(self.shape)
+
+    def numel(self):
+        return self.shape.numel()
+
+
+def test_rht_quantize_provider():
+    """The fused kernels for [K, tokens] operands a kernel can take; None (the reference runs) otherwise."""
+    assert tk.available()[0]  # the interpreter, here
+    for fmt, block, tokens in (("nvfp4", "1x16", 48), ("mxfp4", "1x32", 64)):
+        assert tk.rht_quantize_provider(_CudaOperand((40, tokens)), 16, fmt, block) is not None
+    assert tk.rht_quantize_provider(_CudaOperand((40, 48)), 16, "mxfp4", "1x32") is None  # 48 tokens: not 32-blocks
+    assert tk.rht_quantize_provider(_CudaOperand((40, 64)), 32, "mxfp4", "1x32") is None  # only the 16-point RHT
+    assert tk.rht_quantize_provider(_CudaOperand((40, 64)), 16, "mxfp4", "1x16") is None
+    assert tk.rht_quantize_provider(_CudaOperand((40, 64)), 16, "nvfp4", "16x16") is None
+    assert tk.rht_quantize_provider(_CudaOperand((2, 40, 64)), 16, "mxfp4", "1x32") is None  # 2-D operands only
+    assert tk.rht_quantize_provider(_CudaOperand((0, 64)), 16, "mxfp4", "1x32") is None
+    assert tk.rht_quantize_provider(_CudaOperand((40, 64), torch.float64), 16, "mxfp4", "1x32") is None
+    assert tk.rht_quantize_provider(torch.zeros(40, 64), 16, "mxfp4", "1x32") is None  # CPU tensors: the reference
+    # The MXFP4 kernel takes the [K, tokens] operand (transposed view) and returns what the op's reference does.
+    kernel = tk.rht_quantize_provider(_CudaOperand((40, 64)), 16, "mxfp4", "1x32")
+    tokens = sample((64, 40), torch.bfloat16, seed=46)
+    for rounding in ("rne", "sr"):
+        got = kernel(tokens.to(DEVICE).t(), rounding, 77)
+        y = formats.rht(tokens.t(), 16)
+        assert_same_mx_quantization(*got, formats.quantize(y, "mxfp4", "1x32", rounding, seed=77), y)
+
+
+@settings(max_examples=15, deadline=None, database=None, derandomize=True)
+@given(
+    st.integers(1, 3), st.integers(1, 40), st.integers(-40, 40), st.integers(0, 30),
+    st.sampled_from(["rne", "sr"]), st.sampled_from(DTYPES), st.integers(0, 2**64 - 1),
+)
+def test_quantize_wgrad_operand_mxfp4_property(t_blocks, k, decade, spread, rounding, dtype, seed):
+    g = torch.Generator().manual_seed(t_blocks * 1000 + k * 100 + spread)
+    x = torch.randn(32 * t_blocks, k, generator=g, dtype=torch.float64) * 2.0**decade
+    x = (x * torch.exp2(torch.randint(-spread, spread + 1, x.shape, generator=g).double())).to(dtype)
+    if not torch.isfinite(x).all():
+        x = torch.nan_to_num(x, posinf=0.0, neginf=0.0)
+    data, scales, amax = tk.quantize_wgrad_operand_mxfp4(x.to(DEVICE), rounding, seed=seed)
+    assert_same_mx_quantization(data, scales, amax, *mx_wgrad_reference(x, rounding, seed=seed))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_gpu_wgrad_mxfp4_large(rounding):
+    x = sample((2048, 1024), torch.bfloat16, seed=47, spread=4.0)  # [tokens, K]
+    out = tk.quantize_wgrad_operand_mxfp4(x.cuda(), rounding, seed=0x123456789ABCDEF)
+    assert_same_mx_quantization(*out, *mx_wgrad_reference(x, rounding, seed=0x123456789ABCDEF))
+    for dtype in DTYPES:
+        x = _mx_special_values(dtype).t().contiguous().repeat(4, 4)
+        if dtype == torch.float16:
+            x[32:48, 10] = 60000.0
+        out = tk.quantize_wgrad_operand_mxfp4(x.cuda(), rounding, seed=6)
+        assert_same_mx_quantization(*out, *mx_wgrad_reference(x, rounding, seed=6))
