@@ -34,6 +34,7 @@ CONFIGS = {
     "bf16": ["--precision", "bf16"],
     "bf16-seed1": ["--precision", "bf16", "--seed", "1"],
     "nvfp4": ["--precision", "nvfp4"],
+    "nvfp4-seed1": ["--precision", "nvfp4", "--seed", "1"],
     "mxfp4": ["--precision", "mxfp4"],
     "nvfp4-all-fp4": ["--precision", "nvfp4", "--all-fp4"],
     "nvfp4-no-rht": ["--precision", "nvfp4", "--no-rht"],
@@ -42,7 +43,7 @@ CONFIGS = {
     "nvfp4-bf16-switch": ["--precision", "nvfp4", "--bf16-switch-at", "{switch}"],
     "nvfp4-fwd-only": ["--precision", "nvfp4", "--forward-only"],
 }
-DEFAULT_CONFIGS = [c for c in CONFIGS if c != "nvfp4-fwd-only"]
+DEFAULT_CONFIGS = [c for c in CONFIGS if c not in ("nvfp4-fwd-only", "nvfp4-seed1")]
 # Runs identical to another one up to the switch step: they continue its checkpoint from there.
 FORKS = {"nvfp4-bf16-switch": "nvfp4"}
 
