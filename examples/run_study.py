@@ -74,6 +74,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         p.error("--parallel must be at least 1")
     args.configs = list(dict.fromkeys(args.configs))  # each run once
     args.train_args = train_args
+    if "nvfp4-bf16-switch" in args.configs and not 0 < switch_step(args) < _steps(train_args):
+        p.error(f"--switch-fraction {args.switch_fraction} of {_steps(train_args)} steps gives switch step "
+                f"{switch_step(args)}; it must fall inside the run")
     return args
 
 
@@ -90,7 +93,7 @@ def switch_step(args) -> int:
 def fork_parent(name: str, args) -> Optional[str]:
     """The run ``name`` continues from (its checkpoint at the switch step), or None."""
     parent = FORKS.get(name)
-    return parent if parent in args.configs and not args.no_fork else None
+    return parent if name in args.configs and parent in args.configs and not args.no_fork else None
 
 
 def checkpoint(out_dir: Path, name: str) -> Path:
@@ -137,6 +140,8 @@ def _last_line(path: Path) -> str:
 
 # Seconds a run keeps in hand under --time-limit: its checkpoint and log, and then the plots.
 _MARGIN_S = 30.0
+# A run is not started with less time than this: reading the corpus and compiling come first.
+_MIN_RUN_S = 60.0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -164,8 +169,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for name in [n for n in pending if not ready(n) and fork_parent(n, args) not in pending
                          and fork_parent(n, args) not in running]:
                 pending.remove(name)  # the parent ended without reaching the switch step
-                print(f"{name}: not started, {fork_parent(name, args)} stopped before step {switch_step(args)}",
-                      flush=True)
+                print(f"{name}: not started, {fork_parent(name, args)} ended without its checkpoint at step "
+                      f"{switch_step(args)}", flush=True)
             startable = [n for n in pending if ready(n)]
             while startable and len(running) < args.parallel:
                 name = startable.pop(0)
@@ -173,8 +178,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 limit = None
                 if args.time_limit is not None:
                     limit = args.time_limit - (time.monotonic() - start) - _MARGIN_S
-                    if limit <= 0:
-                        print(f"{name}: not started, no time left", flush=True)
+                    if limit < _MIN_RUN_S:
+                        print(f"{name}: not started, {max(0.0, limit):.0f} s left (run the same command again)",
+                              flush=True)
                         continue
                 logs[name] = log = open(args.out_dir / f"{name}.log", "a")
                 cmd = command(name, args, limit)

@@ -128,7 +128,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="also write PATH's stem + '.stepN.pt' after these steps (e.g. to fork a run there)")
     g.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="stop before a step that would end past this wall time (from the start of this "
-                        "process), write --checkpoint and the log; --resume continues the run")
+                        "process; its first step always runs), write --checkpoint and the log; --resume "
+                        "continues the run")
     g.add_argument("--resume", type=Path, default=None, metavar="PATH",
                    help="continue from a checkpoint: the same model, data, schedule and recipe (only "
                         "--bf16-switch-at may differ, at or after the checkpoint's step)")
@@ -161,6 +162,18 @@ _RUN_DEFINING = (
     "preset", "seq_len", "batch_size", "grad_accum", "tie_embeddings", "val_fraction", "include_tests",
     "corpus", "corpus_max_mb", "steps", "lr", "min_lr_ratio", "warmup", "weight_decay", "grad_clip", "seed",
 )
+
+
+# Corpus figures that must match for a resumed run to read the same token stream and validation set.
+_CORPUS_IDENTITY = ("source", "python_version", "train_files", "val_files", "train_tokens", "val_tokens")
+
+
+def check_same_corpus(stats: dict, saved: dict, path: Path) -> None:
+    """Raise ValueError when the corpus read now is not the one the checkpoint's run trained on
+    (e.g. another machine's installed packages under --corpus stdlib+packages)."""
+    diffs = [f"{k} {stats.get(k)!r} (checkpoint: {saved.get(k)!r})" for k in _CORPUS_IDENTITY if stats.get(k) != saved.get(k)]
+    if diffs:
+        raise ValueError(f"cannot resume from {path}: the corpus differs: " + "; ".join(diffs))
 
 
 def check_resume(args: argparse.Namespace, saved: dict, step: int, path: Path) -> None:
@@ -321,6 +334,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         val_fraction=args.val_fraction, include_tests=args.include_tests, packages=args.corpus == "stdlib+packages",
         max_bytes=None if args.corpus_max_mb is None else int(args.corpus_max_mb * 1e6),
     )
+    load_s = time.perf_counter() - load_start
     torch.manual_seed(args.seed)
     model = GPT(config).to(device)
     optimizer = _make_optimizer(model, peak_lr, args.weight_decay, device)
@@ -333,6 +347,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
         recipe = make_recipe(args)
         backend = fp4compile.Backend(recipe=recipe, inner=inner)
+        # The SR stream is process-global: start it where a fresh process starts it, so that two runs
+        # in one process (tests, notebooks) give the same bits as two processes.
+        fp4compile.manual_seed(0)
         compiled = torch.compile(model, backend=backend, dynamic=False)
 
     autocast = (
@@ -345,6 +362,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         start_step = int(checkpoint["step"])
         try:
             check_resume(args, checkpoint["args"], start_step, args.resume)
+            check_same_corpus(corpus.stats(), checkpoint["record"]["corpus"], args.resume)
         except ValueError as error:
             raise SystemExit(f"train_gpt.py: error: {error}") from None
         model.load_state_dict(checkpoint["model"])
@@ -362,7 +380,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     print(f"run {name}: {args.preset} GPT, {model.num_params():,} parameters "
           f"({model.num_params(non_embedding=True):,} non-embedding), "
           f"{config.n_layer} layers, d_model {config.d_model}, seq_len {config.seq_len}", flush=True)
-    print(f"{corpus.describe()} (read in {time.perf_counter() - load_start:.1f} s)", flush=True)
+    print(f"{corpus.describe()} (read in {load_s:.1f} s)", flush=True)
     high = "bf16 (autocast)" if use_autocast else "fp32"
     where = (f"{device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
              else f"{device} ({torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})")
@@ -402,6 +420,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     }
     elapsed_before = 0.0  # wall time of the earlier segments of a resumed run
     steady_tokens, steady_time = 0, 0.0
+    eval_s = 0.0  # the last evaluation's time (for --time-limit)
     first_step_s = None
     if checkpoint is not None:
         saved = checkpoint["record"]
@@ -409,6 +428,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             record[key] = saved[key]
         elapsed_before = checkpoint["elapsed_s"]
         steady_tokens, steady_time = checkpoint["steady"]
+        eval_s = checkpoint.get("eval_s", 0.0)
         first_step_s = saved["segments"][0]["first_step_s"] if saved["segments"] else None
         print(f"resumed from {args.resume} after step {start_step} (run {saved['name']})", flush=True)
         if backend is not None and backend.high_precision and record["high_precision_from_step"] is None:
@@ -429,6 +449,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
             "cuda_rng": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
             "record": record,
             "steady": (steady_tokens, steady_time),
+            "eval_s": eval_s,
             "elapsed_s": elapsed,
         }
 
@@ -445,15 +466,27 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         model.train()
         return total / len(val_set)
 
+    if (checkpoint is not None and backend is not None and record["high_precision_from_step"] == start_step
+            and record["val"]["step"] and record["val"]["step"][-1] == start_step - 1):
+        # A run forked at its BF16 switch: without the stop, the evaluation after step start_step would
+        # have run after the switch, in high precision. Do it again that way.
+        record["val"]["loss"][-1] = evaluate()
+        print(f"step {start_step}: val loss {record['val']['loss'][-1]:.4f} (evaluated again after the switch)",
+              flush=True)
+
     progress = Progress(args.steps, args.quiet, args.log_every)
     start = time.perf_counter()
     diverged = stopped = False
-    step_s = eval_s = 0.0
+    step_s = 0.0
     for step in range(start_step, args.steps):
         eval_due = bool(args.eval_every) and ((step + 1) % args.eval_every == 0 or step == args.steps - 1)
         if args.time_limit is not None and step > start_step:
-            # Stop before a step (and its evaluation) that would end past the limit.
-            if time.perf_counter() - process_start + step_s + (eval_s if eval_due else 0.0) > args.time_limit:
+            # Stop before a step (and its evaluation) that would end past the limit. A step is predicted
+            # by the steady average (the first step of a process includes compilation); an evaluation by
+            # the last one, or before any by one training step per validation batch.
+            per_step = steady_time / (steady_tokens / tokens_per_step) if steady_tokens else step_s
+            eval_guess = eval_s or per_step * len(val_set)
+            if time.perf_counter() - process_start + per_step + (eval_guess if eval_due else 0.0) > args.time_limit:
                 stopped = True
                 break
         step_start = time.perf_counter()

@@ -275,6 +275,13 @@ def test_train_gpt_resume_is_bit_exact(tmp_path):
     assert resumed["val"] == whole["val"]
     assert [(s["start_step"], s["end_step"]) for s in resumed["segments"]] == [(0, 2), (2, 4)]
     assert resumed["summary"]["steps"] == 4 and resumed["summary"]["train_tokens"] == 4 * 4 * 32
+    # A fork at the BF16 switch equals a run that switches without stopping, the evaluation after the
+    # switch step included (it runs in high precision in both).
+    switched = train_gpt.main([*base, "--bf16-switch-at", "2"])
+    fork = train_gpt.main([*base, "--bf16-switch-at", "2", "--resume", str(tmp_path / "a.step2.pt")])
+    assert fork["train"]["loss"] == switched["train"]["loss"] and fork["val"] == switched["val"]
+    assert fork["val"]["loss"][0] != whole["val"]["loss"][0]
+    assert fork["high_precision_from_step"] == switched["high_precision_from_step"] == 2
 
 
 def test_train_gpt_time_limit_and_resume(tmp_path, capsys):
@@ -294,6 +301,11 @@ def test_train_gpt_resume_refuses_another_run(tmp_path):
     train_gpt.main([*base, "--checkpoint", str(ckpt), "--save-at", "2"])
     with pytest.raises(SystemExit, match=r"--seed 1 \(checkpoint: 0\)"):
         train_gpt.main([*base, "--seed", "1", "--resume", str(ckpt)])
+    record = torch.load(ckpt)
+    record["record"]["corpus"]["train_tokens"] += 1  # as if another machine's packages were read
+    torch.save(record, tmp_path / "other.pt")
+    with pytest.raises(SystemExit, match="the corpus differs: train_tokens"):
+        train_gpt.main([*base, "--resume", str(tmp_path / "other.pt")])
     with pytest.raises(SystemExit):  # --save-at and --time-limit need somewhere to write
         train_gpt.parse_args(["--time-limit", "5"])
     with pytest.raises(SystemExit):
@@ -337,6 +349,10 @@ def test_run_study_commands(tmp_path):
     out.mkdir()
     (out / "bf16.pt").write_bytes(b"")  # a checkpoint from an earlier invocation: continue it
     assert run_study.command("bf16", args)[-2:] == ["--resume", str(out / "bf16.pt")]
+    only_parent = run_study.parse_args(["--out-dir", str(out), "--configs", "nvfp4", "--", "--steps", "50"])
+    assert "--save-at" not in run_study.command("nvfp4", only_parent)  # no fork asked for: no extra checkpoint
+    with pytest.raises(SystemExit):  # the switch would fall on the last step
+        run_study.parse_args(["--switch-fraction", "1.0", "--", "--steps", "50"])
     no_fork = run_study.parse_args(["--out-dir", str(out), "--no-fork", "--", "--steps", "50"])
     assert "--resume" not in run_study.command("nvfp4-bf16-switch", no_fork)
     assert "--save-at" not in run_study.command("nvfp4", no_fork)
@@ -376,9 +392,10 @@ def test_run_study_runs_side_by_side(tmp_path, capfd):
 
 def test_run_study_time_limit_then_continue(tmp_path, capfd, monkeypatch):
     monkeypatch.setattr(run_study, "_MARGIN_S", 0.0)
+    monkeypatch.setattr(run_study, "_MIN_RUN_S", 0.0)
     argv = ["--out-dir", str(tmp_path), "--configs", "bf16", "--", *QUICK, "--no-compile"]
-    # A one-second limit: the run trains its first step, then stops and writes its checkpoint.
-    assert run_study.main(["--time-limit", "1", *argv]) == 0
+    # A limit that rounds to 0 s: the run trains its first step, then stops and writes its checkpoint.
+    assert run_study.main(["--time-limit", "0.4", *argv]) == 0
     assert "bf16: stopped by the time limit" in capfd.readouterr().out
     partial = json.loads((tmp_path / "bf16.json").read_text())
     assert partial["summary"] is None and (tmp_path / "bf16.pt").exists()
