@@ -74,8 +74,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         p.error("--parallel must be at least 1")
     args.configs = list(dict.fromkeys(args.configs))  # each run once
     args.train_args = train_args
-    if "nvfp4-bf16-switch" in args.configs and not 0 < switch_step(args) < _steps(train_args):
-        p.error(f"--switch-fraction {args.switch_fraction} of {_steps(train_args)} steps gives switch step "
+    args.steps = _steps(train_args)  # parsed once: the scheduling loop asks for the switch step often
+    if "nvfp4-bf16-switch" in args.configs and not 0 < switch_step(args) < args.steps:
+        p.error(f"--switch-fraction {args.switch_fraction} of {args.steps} steps gives switch step "
                 f"{switch_step(args)}; it must fall inside the run")
     return args
 
@@ -87,7 +88,7 @@ def _steps(train_args: list[str]) -> int:
 
 
 def switch_step(args) -> int:
-    return int(_steps(args.train_args) * args.switch_fraction)
+    return int(args.steps * args.switch_fraction)
 
 
 def fork_parent(name: str, args) -> Optional[str]:

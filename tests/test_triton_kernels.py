@@ -468,17 +468,21 @@ def test_gpu_mxfp4_large(rounding):
         assert torch.where(nan, (codes & 7) == (ref_codes & 7), codes == ref_codes).all()
 
 
+def _wide_range(rows, cols, seed, decade, spread, dtype):
+    """Normal values scaled by 2**decade, each times 2**U[-spread, spread], in ``dtype`` (overflow -> 0)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g, dtype=torch.float64) * 2.0**decade
+    x = (x * torch.exp2(torch.randint(-spread, spread + 1, x.shape, generator=g).double())).to(dtype)
+    return x if torch.isfinite(x).all() else torch.nan_to_num(x, posinf=0.0, neginf=0.0)
+
+
 @settings(max_examples=15, deadline=None, database=None, derandomize=True)
 @given(
     st.integers(1, 40), st.integers(1, 3), st.integers(-40, 40), st.integers(0, 30),
     st.sampled_from(["rne", "sr"]), st.sampled_from(DTYPES), st.integers(0, 2**64 - 1),
 )
 def test_quantize_mxfp4_property(rows, k_blocks, decade, spread, rounding, dtype, seed):
-    g = torch.Generator().manual_seed(rows * 1000 + k_blocks * 100 + spread)
-    x = torch.randn(rows, 32 * k_blocks, generator=g, dtype=torch.float64) * 2.0**decade
-    x = (x * torch.exp2(torch.randint(-spread, spread + 1, x.shape, generator=g).double())).to(dtype)
-    if not torch.isfinite(x).all():
-        x = torch.nan_to_num(x, posinf=0.0, neginf=0.0)
+    x = _wide_range(rows, 32 * k_blocks, rows * 1000 + k_blocks * 100 + spread, decade, spread, dtype)
     data, scales, _ = tk.quantize_mxfp4(x.to(DEVICE), rounding, seed=seed)
     ref = formats.quantize(x, "mxfp4", "1x32", rounding, seed=seed)
     assert torch.equal(scales.cpu(), ref.scales.view(torch.uint8))
@@ -618,11 +622,7 @@ def test_rht_quantize_provider():
     st.sampled_from(["rne", "sr"]), st.sampled_from(DTYPES), st.integers(0, 2**64 - 1),
 )
 def test_quantize_wgrad_operand_mxfp4_property(t_blocks, k, decade, spread, rounding, dtype, seed):
-    g = torch.Generator().manual_seed(t_blocks * 1000 + k * 100 + spread)
-    x = torch.randn(32 * t_blocks, k, generator=g, dtype=torch.float64) * 2.0**decade
-    x = (x * torch.exp2(torch.randint(-spread, spread + 1, x.shape, generator=g).double())).to(dtype)
-    if not torch.isfinite(x).all():
-        x = torch.nan_to_num(x, posinf=0.0, neginf=0.0)
+    x = _wide_range(32 * t_blocks, k, t_blocks * 1000 + k * 100 + spread, decade, spread, dtype)
     data, scales, amax = tk.quantize_wgrad_operand_mxfp4(x.to(DEVICE), rounding, seed=seed)
     assert_same_mx_quantization(data, scales, amax, *mx_wgrad_reference(x, rounding, seed=seed))
 
