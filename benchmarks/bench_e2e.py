@@ -2,7 +2,9 @@
 
 Each variant runs in its own process with a fresh Inductor cache, so the first-call time is a real
 compile. Measures: first step (compile + run), median step time, peak GPU memory in steady state.
-Before timing, checks that the GPU quantize matches the CPU reference bit for bit.
+Before timing, checks that the GPU quantize matches the CPU reference bit for bit. A ``-cg`` variant
+compiles with ``mode="reduce-overhead"`` (the steps are recorded in CUDA graphs and replayed); ratios
+are given against ``bf16``, plain ``torch.compile``.
 
     python benchmarks/bench_e2e.py --out results.json            # d=1024 and d=2048, all variants
 """
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
-VARIANTS = ("bf16", "nvfp4", "naive")
+VARIANTS = ("bf16", "nvfp4", "naive", "bf16-cg", "nvfp4-cg")
 
 
 def naive_fake_quant(x: torch.Tensor) -> torch.Tensor:
@@ -82,13 +84,18 @@ def training_step(variant: str, d_model: int, n_layer: int, batch: int):
     import fp4compile
 
     torch.manual_seed(0)
+    graphs = variant.endswith("-cg")
+    variant = variant.removesuffix("-cg")
+    mode = "reduce-overhead" if graphs else None
     model, cfg = build(d_model, n_layer, variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    backend = fp4compile.Backend() if variant == "nvfp4" else None
-    compiled = torch.compile(model, backend=backend or "inductor")
+    backend = fp4compile.Backend(mode=mode) if variant == "nvfp4" else None
+    compiled = torch.compile(model, backend=backend or "inductor", mode=None if backend else mode)
     x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), device="cuda")
 
     def step():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = compiled(x, x)
         loss.backward()
@@ -122,10 +129,13 @@ def run_variant(variant: str, d_model: int, n_layer: int, steps: int, batch: int
     out = {
         "variant": variant, "d_model": d_model, "n_layer": n_layer, "batch": batch, "seq": cfg.seq_len,
         "first_step_s": first, "step_ms_median": times[len(times) // 2],
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        # CUDA graphs keep their temporaries in a private pool: reserved, no longer counted as allocated.
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30, "loss": float(loss),
     }
-    if variant == "nvfp4":
+    if backend is not None:
         out["plan"] = backend.report.precision_table().splitlines()[-1]
+        out["cudagraph_skips"] = int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
     return out
 
 
@@ -167,17 +177,17 @@ def main():
     results["rows"] = rows
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"{results['gpu']}, torch {results['torch']}, quantize check: {results['check']}")
-    print(f"{'d':>5} {'variant':8} {'step ms':>8} {'x bf16':>7} {'mem GiB':>8} {'x bf16':>7} {'1st s':>6} {'x bf16':>7}")
+    print(f"{'d':>5} {'variant':9} {'step ms':>8} {'x bf16':>7} {'mem GiB':>8} {'x bf16':>7} {'1st s':>6} {'x bf16':>7}")
     for d in args.d_model:
         base = next((r for r in rows if r["d_model"] == d and r["variant"] == "bf16" and "error" not in r), None)
         for r in rows:
             if r["d_model"] != d:
                 continue
             if "error" in r:
-                print(f"{d:>5} {r['variant']:8} error")
+                print(f"{d:>5} {r['variant']:9} error")
                 continue
             ratio = lambda k: r[k] / base[k] if base else float("nan")
-            print(f"{d:>5} {r['variant']:8} {r['step_ms_median']:8.1f} {ratio('step_ms_median'):7.2f} "
+            print(f"{d:>5} {r['variant']:9} {r['step_ms_median']:8.1f} {ratio('step_ms_median'):7.2f} "
                   f"{r['peak_mem_gib']:8.2f} {ratio('peak_mem_gib'):7.2f} {r['first_step_s']:6.1f} {ratio('first_step_s'):7.2f}")
 
 

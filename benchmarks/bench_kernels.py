@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 
 SEED = 0x0123456789ABCDEF
+NODE = 0x2545F4914F6CDD1D  # a quantize node's constant, for the device-seed cases (what fp4.quantize passes on CUDA)
 FLT_MAX = torch.finfo(torch.float32).max
 
 # Launch configurations tried per kernel (the first is the module's default).
@@ -44,6 +45,13 @@ class Case:
     min_bytes: int
     config: Optional[str] = None  # key of CONFIGS the case runs with (swept when in SWEEPS)
     note: str = ""
+
+
+def device_seed(x):
+    """The SR stream of node NODE read on x's device, as the training graphs pass it (CUDA-graph safe)."""
+    from fp4compile import runtime
+
+    return runtime.device_seed(NODE, x.device)
 
 
 def cases(n: int) -> list[Case]:
@@ -73,6 +81,14 @@ def cases(n: int) -> list[Case]:
             lambda s: tk.quantize_wgrad_operand(s["x"], "sr", SEED, amax=s["amax_rht"]), quant, "rht_quantize",
         ),
         Case("wgrad rht+sr", lambda s: tk.quantize_wgrad_operand(s["x"], "sr", SEED), quant, "rht_quantize", "2 passes"),
+        Case(
+            "device seed: quantize_1x16 sr", lambda s: tk.quantize_1x16(s["x"], "sr", device_seed(s["x"])), quant,
+            "quantize_rows", "2 passes",
+        ),
+        Case(
+            "device seed: wgrad rht+sr", lambda s: tk.quantize_wgrad_operand(s["x"], "sr", device_seed(s["x"])),
+            quant, "rht_quantize", "2 passes",
+        ),
         Case("fake_quantize_1x16 rne", lambda s: tk.fake_quantize_1x16(s["x"]), fake, "quantize_rows", "2 passes"),
         Case(
             "fake_quantize_wgrad sr", lambda s: tk.fake_quantize_wgrad_operand(s["x"], "sr", SEED), fake,
@@ -214,6 +230,12 @@ def check_all(state, outputs: dict) -> dict:
     for name, out in outputs.items():
         if isinstance(out, Exception):
             result[name] = f"failed: {out}"
+        elif name.startswith("device seed: "):  # the stream runtime.sr_seed gives the node at this step
+            from fp4compile import runtime
+
+            seed = runtime.sr_seed(NODE)
+            source = rht if "wgrad" in name else xc
+            result[name] = same_quantization(out, formats.quantize(source, rounding="sr", seed=seed))
         elif name == "global_amax":
             result[name] = "" if torch.equal(out.cpu(), amax_x) else f"{out.item()} != {amax_x.item()}"
         elif name.startswith("wgrad_amax"):

@@ -37,6 +37,11 @@ multiply-adds in the order i = 0..15, as the CPU matmul that ``formats.rht`` run
 element's scaled value is NaN its code is +0 (code 0): NaN has no E2M1 encoding, and the sign the CPU
 reference gives such an element depends on its vector unit. docs/emulation.md has the details.
 
+SR seeds: an int seed is passed to the kernel as it is; a ``runtime.DeviceSeed`` (what ``fp4.quantize``
+passes on CUDA) makes the kernel compute ``runtime.sr_seed(node)`` itself from the step's base, read from
+device memory when the kernel runs. Launching the kernel thus needs nothing that changes from step to
+step, so Inductor can record a training step in a CUDA graph and every replay draws that step's bits.
+
 Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (slow; for tests).
 """
 
@@ -45,11 +50,11 @@ from __future__ import annotations
 import functools
 import os
 import struct
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from fp4compile import formats
+from fp4compile import formats, runtime
 
 try:
     import triton
@@ -82,6 +87,10 @@ __all__ = [
 ]
 
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# An SR seed: the seed itself, None (drawn at random, as formats.quantize does), or a runtime.DeviceSeed
+# (a quantize node's constant, mixed on the device with the step's base the runtime keeps there).
+Seed = Optional[Union[int, runtime.DeviceSeed]]
 
 # Launch parameters per kernel, chosen on an H200 (benchmarks/bench_kernels.py sweeps alternatives).
 CONFIGS = {
@@ -290,6 +299,28 @@ if triton is not None:
         return _hash32(_hash32(lo ^ k0) ^ (hi ^ k1))
 
     @_jit()
+    def _mix64(x):
+        """splitmix64's finaliser on uint64, as ``runtime._mix64`` (wrapping arithmetic)."""
+        x = x + 0x9E3779B97F4A7C15
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+        return x ^ (x >> 31)
+
+    @_jit()
+    def _stream_key(seed_ptr, seed_lo, seed_hi, MIX: tl.constexpr):
+        """The SR seed's (low, high) 32 bits as uint32: the seed given in halves, or with MIX
+        ``runtime.sr_seed`` of the node constant given in halves, mixed here with the step's base that
+        the runtime keeps at seed_ptr (int64), so a recorded CUDA graph reads each step's base."""
+        lo = seed_lo.to(tl.uint32, bitcast=True)
+        hi = seed_hi.to(tl.uint32, bitcast=True)
+        if MIX:
+            node = (hi.to(tl.uint64) << 32) | lo.to(tl.uint64)
+            stream = _mix64(tl.load(seed_ptr).to(tl.uint64, bitcast=True) ^ node)
+            lo = (stream & 0xFFFFFFFF).to(tl.uint32)
+            hi = ((stream >> 32) & 0x7FFFFFFF).to(tl.uint32)
+        return lo, hi
+
+    @_jit()
     def _store_scales(scales_ptr, sf, rows, cols, n_cols, mask, SWIZZLE: tl.constexpr):
         """Store [rows, cols] scale codes row-major, or at their 128x4-tile offsets (formats.swizzled_offset)."""
         r = rows[:, None]
@@ -374,12 +405,14 @@ if triton is not None:
 
     @_jit(do_not_specialize=("seed_lo", "seed_hi"))
     def _quantize_rows_kernel(
-        x_ptr, amax_ptr, own_ptr, out_amax_ptr, data_ptr, scales_ptr, bd_ptr, M, K, stride_xm, seed_lo, seed_hi,
+        x_ptr, amax_ptr, own_ptr, out_amax_ptr, data_ptr, scales_ptr, bd_ptr, M, K, stride_xm,
+        seed_ptr, seed_lo, seed_hi,
         TILE_ROWS: tl.constexpr, SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, PASS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
+        seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
         # PASS 0: amax_ptr holds the own amax. 1: a given amax; track the own one. 2: fix-up.
         if PASS == 2:
             own, nonfinite = _fixup_amax(amax_ptr, own_ptr, out_amax_ptr, (pid_m == 0) & (pid_k == 0))
@@ -425,14 +458,15 @@ if triton is not None:
 
     @_jit(do_not_specialize=("seed_lo", "seed_hi"))
     def _quantize_mx_kernel(
-        x_ptr, data_ptr, scales_ptr, amax_ptr, M, K, stride_xm, seed_lo, seed_hi,
-        SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, data_ptr, scales_ptr, amax_ptr, M, K, stride_xm, seed_ptr, seed_lo, seed_hi,
+        SR: tl.constexpr, MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """``formats.quantize(x, "mxfp4", "1x32")``: scale 2**(floor(log2 bamax) - 2) clamped to
         [2**-127, 2**127], code of x / scale (``_mx_scale``); atomic max of the |x| bits into amax_ptr."""
         NB: tl.constexpr = BLOCK_K // 32
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
+        seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         row_ok = rows < M
@@ -581,12 +615,14 @@ if triton is not None:
 
     @_jit(do_not_specialize=("seed_lo", "seed_hi"))
     def _rht_quantize_kernel(
-        x_ptr, amax_ptr, own_ptr, out_amax_ptr, data_ptr, scales_ptr, bd_ptr, M, K, stride_xm, seed_lo, seed_hi,
+        x_ptr, amax_ptr, own_ptr, out_amax_ptr, data_ptr, scales_ptr, bd_ptr, M, K, stride_xm,
+        seed_ptr, seed_lo, seed_hi,
         SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, PASS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
+        seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
         if PASS == 2:
             own, nonfinite = _fixup_amax(amax_ptr, own_ptr, out_amax_ptr, (pid_m == 0) & (pid_k == 0))
             if nonfinite:
@@ -604,13 +640,14 @@ if triton is not None:
 
     @_jit(do_not_specialize=("seed_lo", "seed_hi"))
     def _rht_quantize_mx_kernel(
-        x_ptr, data_ptr, scales_ptr, amax_ptr, M, K, stride_xm, seed_lo, seed_hi,
-        SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, data_ptr, scales_ptr, amax_ptr, M, K, stride_xm, seed_ptr, seed_lo, seed_hi,
+        SR: tl.constexpr, MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """MXFP4 1x32 quantization of RHT(x^T) (two consecutive 16-token RHT chunks form a 32-token block);
         outputs are [K, M]-shaped. Atomic max of the |RHT(x^T)| bits into amax_ptr."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
+        seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
         y, _, _, cols = _rht_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K)
         y = tl.reshape(y, (BLOCK_M // 32, 32, BLOCK_K))  # [block, token in block, column]
         bits = tl.max(_abs_bits(y), axis=1)  # [block, column]; NaN sorts above Inf
@@ -718,17 +755,33 @@ def _as_rows(x: torch.Tensor, what: str, rows_multiple: int = 1, cols_multiple: 
     return x2
 
 
-def _seed_halves(rounding: str, seed: Optional[int]) -> tuple[int, int]:
-    """The seed's low and high 32 bits as signed int32 values (the kernels read the bits)."""
+def _seed_args(rounding: str, seed, x2: torch.Tensor, unused: torch.Tensor) -> dict:
+    """The kernels' seed arguments: (seed_ptr, seed_lo, seed_hi) and MIX.
+
+    ``seed`` is an int (the SR seed itself; its low and high 32 bits travel as signed int32 values),
+    None (drawn as ``formats.quantize`` draws it), or a ``runtime.DeviceSeed``: then the halves are
+    the node constant's and the kernel mixes them with the base tensor on the device. ``unused`` is any
+    tensor on x2's device, passed as the pointer the kernel never reads without MIX.
+    """
     if rounding not in ("rne", "sr"):
         raise ValueError(f"rounding must be 'rne' or 'sr', got {rounding!r}")
+    mix = rounding == "sr" and isinstance(seed, runtime.DeviceSeed)
     if rounding == "rne":
-        return 0, 0
-    if seed is None:  # as formats.quantize draws it
-        seed = int(torch.randint(0, 2**62, ()))
-    seed = int(seed) & 0xFFFFFFFFFFFFFFFF
-    halves = (seed & 0xFFFFFFFF, seed >> 32)
-    return tuple(h - (1 << 32) if h >= (1 << 31) else h for h in halves)
+        value = 0
+    elif mix:
+        if seed.base.device != x2.device or seed.base.dtype != torch.int64 or seed.base.numel() != 1:
+            raise ValueError(
+                f"DeviceSeed base must be one int64 on {x2.device}, got {seed.base.dtype} "
+                f"{tuple(seed.base.shape)} on {seed.base.device}"
+            )
+        value = seed.node
+    elif seed is None:  # as formats.quantize draws it
+        value = int(torch.randint(0, 2**62, ()))
+    else:
+        value = int(seed)
+    value &= 0xFFFFFFFFFFFFFFFF
+    lo, hi = (h - (1 << 32) if h >= (1 << 31) else h for h in (value & 0xFFFFFFFF, value >> 32))
+    return {"seed_ptr": seed.base if mix else unused, "seed_lo": lo, "seed_hi": hi, "MIX": mix}
 
 
 def _scales_bytes(rows: int, cols: int, swizzle: bool) -> int:
@@ -798,13 +851,13 @@ def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake):
     x2 = _as_rows(x, what, tile_rows)
     m, k = x2.shape
     cfg = CONFIGS["quantize_tiles" if tile_rows > 1 else "quantize_rows"]
-    seed_lo, seed_hi = _seed_halves(rounding, seed)
     data, scales, bd = _output_buffers(m, k, swizzle, fake, x2.device)
+    seed_args = _seed_args(rounding, seed, x2, bd)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
 
     def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
         _quantize_rows_kernel[grid](
-            x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), seed_lo, seed_hi,
+            x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             TILE_ROWS=tile_rows, SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
         )
@@ -823,13 +876,13 @@ def _quantize_wgrad(x, rounding, seed, amax, swizzle, fake):
     x2 = _as_rows(x, "quantize_wgrad_operand", rows_multiple=16, cols_multiple=1)
     m, k = x2.shape  # m tokens
     cfg = CONFIGS["rht_quantize"]
-    seed_lo, seed_hi = _seed_halves(rounding, seed)
     data, scales, bd = _output_buffers(k, m, swizzle, fake, x2.device)
+    seed_args = _seed_args(rounding, seed, x2, bd)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
 
     def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
         _rht_quantize_kernel[grid](
-            x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), seed_lo, seed_hi,
+            x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
         )
@@ -862,7 +915,7 @@ def wgrad_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_1x16(
-    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None,
+    x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
     swizzle: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 with 1x16 blocks along the last dim: (codes uint8 [..., K/2], scales uint8, amax fp32 0-dim).
@@ -875,7 +928,7 @@ def quantize_1x16(
 
 
 def quantize_16x16(
-    w: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None,
+    w: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
     swizzle: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 with 16x16 tiles over the last two dims (scales repeated on each row of a tile, as formats)."""
@@ -883,7 +936,7 @@ def quantize_16x16(
 
 
 def quantize_wgrad_operand(
-    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None,
+    x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
     swizzle: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantized RHT(x^T) for x [tokens, K] (leading dims flattened into tokens, a multiple of 16).
@@ -899,19 +952,18 @@ def quantize_wgrad_operand(
 
 def _quantize_mx(kernel, x2, rows, cols, cfg, grid, rounding, seed):
     """Launch an MXFP4 kernel writing codes [rows, cols/2], scales [rows, cols/32] and the amax bits."""
-    seed_lo, seed_hi = _seed_halves(rounding, seed)
     data = torch.empty((rows, cols // 2), dtype=torch.uint8, device=x2.device)
     scales = torch.empty((rows, cols // 32), dtype=torch.uint8, device=x2.device)
     amax = torch.zeros(1, dtype=torch.int32, device=x2.device)
     kernel[grid](
-        x2, data, scales, amax, x2.shape[0], x2.shape[1], x2.stride(0), seed_lo, seed_hi,
+        x2, data, scales, amax, x2.shape[0], x2.shape[1], x2.stride(0), **_seed_args(rounding, seed, x2, data),
         SR=rounding == "sr", BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
     )
     return data, scales, amax.view(torch.float32).reshape(())
 
 
 def quantize_mxfp4(
-    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None
+    x: torch.Tensor, rounding: str = "rne", seed: Seed = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MXFP4 with 1x32 blocks along the last dim: (codes uint8 [..., K/2], E8M0 scale bytes [..., K/32],
     amax = max |x| fp32 0-dim), in one pass. Bit for bit ``formats.quantize(x, "mxfp4", "1x32", rounding,
@@ -928,7 +980,7 @@ def quantize_mxfp4(
 
 
 def quantize_wgrad_operand_mxfp4(
-    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None
+    x: torch.Tensor, rounding: str = "rne", seed: Seed = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """MXFP4 quantized RHT(x^T) for x [tokens, K] (leading dims flattened into tokens, a multiple of 32).
 
@@ -948,21 +1000,21 @@ def quantize_wgrad_operand_mxfp4(
 
 
 def fake_quantize_1x16(
-    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None
+    x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(value(code) * block scale as bf16 with x's shape, amax): ``formats.block_decode`` of quantize_1x16."""
     return _quantize_rows(x, "fake_quantize_1x16", 1, rounding, seed, amax, swizzle=False, fake=True)
 
 
 def fake_quantize_16x16(
-    w: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None
+    w: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(value(code) * tile scale as bf16, amax) for 16x16 tiles."""
     return _quantize_rows(w, "fake_quantize_16x16", 16, rounding, seed, amax, swizzle=False, fake=True)
 
 
 def fake_quantize_wgrad_operand(
-    x: torch.Tensor, rounding: str = "rne", seed: Optional[int] = None, amax: Optional[torch.Tensor] = None
+    x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block-decoded quantized RHT(x^T) as bf16 [K, tokens], amax)."""
     return _quantize_wgrad(x, rounding, seed, amax, swizzle=False, fake=True)

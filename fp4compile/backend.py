@@ -47,6 +47,11 @@ class Backend:
     passes: user precision passes ``fn(gm, ctx) -> gm`` run after ``assign_precision``.
     inner: "inductor" (default) or "eager" — what compiles the rewritten graphs.
     print_ir_after: pass names (or "all") whose output graph is printed while compiling.
+    mode: an Inductor mode, as ``torch.compile(mode=...)``: "reduce-overhead" records each compiled
+    graph in a CUDA graph and replays it, which removes the per-kernel launch cost that bounds small
+    and mid-sized models in emulation. Stochastic rounding stays fresh on every replay (the SR stream's
+    step lives on the device, see ``fp4compile.runtime``). ``Recipe(check_finite=True)`` reads values
+    back to the host and so runs without CUDA graphs (logged).
     The backend keeps a ``report`` of its compilations (sites, precisions, kernels, graphs).
     ``FP4COMPILE_CHECK_FINITE=1`` in the environment (read here) turns on ``Recipe.check_finite``.
     """
@@ -57,10 +62,13 @@ class Backend:
         passes: Sequence = (),
         inner: str = "inductor",
         print_ir_after=None,
+        mode: Optional[str] = None,
         **recipe_fields,
     ):
         if inner not in INNER_COMPILERS:
             raise ValueError(f"inner must be one of {INNER_COMPILERS}, got {inner!r}")
+        if mode not in (None, "default") and inner != "inductor":
+            raise ValueError(f"mode={mode!r} is an Inductor mode; it needs inner='inductor', got inner={inner!r}")
         recipe = recipe or Recipe()
         recipe = recipe.replace(**recipe_fields) if recipe_fields else recipe
         if os.environ.get(CHECK_FINITE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off"):
@@ -77,6 +85,10 @@ class Backend:
         self._forced_high_precision = False
         self._graph_ids = itertools.count()  # graph numbers in this backend's report: 0, 1, ...
         self.inductor_config: dict = {}
+        if mode not in (None, "default"):
+            from torch._inductor import list_mode_options
+
+            self.inductor_config = dict(list_mode_options(mode))
 
     def __repr__(self) -> str:
         return f"fp4compile.Backend(fmt={self.recipe.fmt!r}, inner={self.inner!r})"
@@ -131,8 +143,20 @@ class Backend:
             return pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage, self.print_ir_after)
 
         if self.inner == "inductor":
-            return _compile_inductor(gm, example_inputs, aot_passes, self.inductor_config)
+            return _compile_inductor(gm, example_inputs, aot_passes, self._inductor_config(graph_id))
         return _compile_eager(gm, example_inputs, aot_passes)
+
+
+    def _inductor_config(self, graph_id: int) -> dict:
+        config = dict(self.inductor_config)
+        if self.recipe.check_finite and config.get("triton.cudagraphs"):
+            # The check reads each amax back to the host, which a CUDA graph cannot record.
+            log.warning(
+                "fp4compile: graph %d: Recipe(check_finite=True) reads values back to the host on every "
+                "quantize; compiling without CUDA graphs", graph_id,
+            )
+            config["triton.cudagraphs"] = False
+        return config
 
 
 def _all_high_precision(gm, ctx):
@@ -187,6 +211,9 @@ class _SwitchableGraph:
         # Later compilations (high precision, other block instances) run outside dynamo's compile
         # step; they reuse its tracing context so that they trace with the same (symbolic) shapes.
         self.tracing_context = torch._guards.TracingContext.try_get()
+        # The SR base of each GPU the graph runs on exists before any CUDA graph is recorded.
+        for device in {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}:
+            runtime.device_base(device)
         self.compiled: dict = {}
         self.graph_ids: dict[str, int] = {}  # one graph id per block instance; recompiles keep it
         prefix = scope.prefix if scope is not None else ""
@@ -409,12 +436,7 @@ def get_backend(options: Optional[dict] = None, mode: Optional[str] = None) -> B
     if key not in _backends:
         options = dict(options or {})
         backend_args = {k: options.pop(k) for k in ("inner", "passes", "print_ir_after") if k in options}
-        backend = Backend(recipe=Recipe.from_options(options), **backend_args)
-        if mode not in (None, "default"):
-            from torch._inductor import list_mode_options
-
-            backend.inductor_config = dict(list_mode_options(mode))
-        _backends[key] = backend
+        _backends[key] = Backend(recipe=Recipe.from_options(options), mode=mode, **backend_args)
     return _backends[key]
 
 

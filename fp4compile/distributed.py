@@ -41,7 +41,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import formats, runtime
+from . import formats, ops, runtime
 
 TENSORS = ("X", "W", "dY")
 
@@ -138,7 +138,7 @@ def quantize_sharded(
     """``fp4.quantize`` of one shard of a tensor sharded over ``group``: the global amax is all-reduced
     (MAX) over the group first, so the codes and scales are those of the full tensor's quantization."""
     amax = all_reduce_amax(x, group)
-    stream = runtime.sr_seed(seed) if rounding == "sr" else 0
+    stream = ops._host_stream(x, rounding, seed, "fp4.quantize_sharded")
     q = formats.quantize(x, fmt, block, rounding, seed=stream, amax=amax)
     if check and not bool(torch.isfinite(q.amax)):
         runtime.raise_non_finite(check, x)

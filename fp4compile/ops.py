@@ -64,10 +64,34 @@ def _(a, b, role, site, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-def _quantize(x: torch.Tensor, fmt: str, block: str, rounding: str, stream: int):
+def _kernel_stream(x: torch.Tensor, rounding: str, node: int):
+    """The SR stream a fast kernel takes: on CUDA a ``runtime.DeviceSeed`` (the kernel mixes the node's
+    constant with the step's base on the device, so CUDA graph replays draw fresh bits), elsewhere the
+    seed itself."""
+    if rounding != "sr":
+        return 0
+    return runtime.device_seed(node, x.device) if x.is_cuda else runtime.sr_seed(node)
+
+
+def _host_stream(x: torch.Tensor, rounding: str, node: int, what: str) -> int:
+    """The SR seed as a host integer, for the reference implementation."""
+    if rounding != "sr":
+        return 0
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"fp4compile: {what} of a {tuple(x.shape)} {x.dtype} tensor with stochastic rounding while a CUDA "
+            "graph is recorded (mode='reduce-overhead'): no GPU kernel takes this call, and the reference "
+            "implementation's seed would be frozen into the graph, repeating the same random bits on every "
+            "replay. Compile without CUDA graphs, or make the Triton kernels available (triton installed)."
+        )
+    return runtime.sr_seed(node)
+
+
+def _quantize(x: torch.Tensor, fmt: str, block: str, rounding: str, node: int):
     kernel = runtime.quantize_kernel(x, fmt, block)
     if kernel is not None:
-        return kernel(x, rounding, stream)
+        return kernel(x, rounding, _kernel_stream(x, rounding, node))
+    stream = _host_stream(x, rounding, node, "fp4.quantize")
     q = formats.quantize(x, fmt, block, rounding, seed=stream)
     amax = q.amax if q.amax is not None else x.float().abs().amax()
     return q.data.view(torch.uint8), q.scales.view(torch.uint8), amax
@@ -83,7 +107,7 @@ def quantize(
     with the SR state, which advances on every compiled call made with gradients enabled. A non-empty ``check`` names the
     operand ("layer role operand"): non-finite input then raises ``FloatingPointError``.
     """
-    data, scales, amax = _quantize(x, fmt, block, rounding, runtime.sr_seed(seed) if rounding == "sr" else 0)
+    data, scales, amax = _quantize(x, fmt, block, rounding, seed)
     if check and not bool(torch.isfinite(amax)):
         runtime.raise_non_finite(check, x)
     return data, scales, amax
@@ -111,12 +135,11 @@ def rht_quantize(
     1x32 one Triton kernel, that reads x, transforms it summing in the reference's order, and quantizes)
     the RHT output is never written out. Elsewhere the op runs ``formats.rht`` and then the quantizer.
     """
-    stream = runtime.sr_seed(seed) if rounding == "sr" else 0
     kernel = runtime.rht_quantize_kernel(x, size, fmt, block)
     if kernel is not None:
-        data, scales, amax = kernel(x, rounding, stream)
+        data, scales, amax = kernel(x, rounding, _kernel_stream(x, rounding, seed))
     else:
-        data, scales, amax = _quantize(formats.rht(x, size), fmt, block, rounding, stream)
+        data, scales, amax = _quantize(formats.rht(x, size), fmt, block, rounding, seed)
     if check and not bool(torch.isfinite(amax)):
         # Count in the transformed operand, as the unfused ops do: a finite x can overflow in the RHT.
         runtime.raise_non_finite(check, formats.rht(x, size))

@@ -7,6 +7,11 @@ so that call's backward draws with the same step), so every training step draws 
 runs started from the same state produce the same bits. ``get_rng_state``/``set_rng_state`` let a
 checkpoint resume the stream exactly.
 
+On a GPU the state also lives on the device: one int64 per device holding the step's base
+``mix64(seed ^ mix64(step))``, rewritten in place whenever the state changes. The GPU quantizers read
+it and mix in their node's constant themselves (``device_seed``), so a captured CUDA graph (Inductor's
+``mode="reduce-overhead"``) replays with each step's fresh bits instead of the bits it was recorded with.
+
 The runtime also knows the backend step of the running graph (``Backend.step``), so that the
 non-finite error of ``Recipe(check_finite=True)`` can say when it happened.
 """
@@ -14,7 +19,7 @@ non-finite error of ``Recipe(check_finite=True)`` can say when it happened.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -22,6 +27,7 @@ _MASK64 = (1 << 64) - 1
 _lock = threading.Lock()
 _state = {"seed": 0, "step": 0}
 _backend_step = {"step": 0}
+_device_bases: dict = {}  # torch.device -> int64 [1] tensor holding the signed bits of _base()
 
 
 def _mix64(x: int) -> int:
@@ -38,11 +44,29 @@ def node_seed(recipe_seed: int, site_key: int, role: str, operand: int) -> int:
     return _mix64(((recipe_seed * 1_000_003 + site_key) * 16 + role_code * 2 + operand) & _MASK64) & ((1 << 63) - 1)
 
 
+def _base() -> int:
+    """The step's base of every node's stream (call with the lock held)."""
+    return _mix64(_state["seed"] ^ _mix64(_state["step"]))
+
+
+def _signed64(value: int) -> int:
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+def _update_device_bases() -> None:
+    """Rewrite the device copies of the base (call with the lock held): one small fill per device."""
+    if _device_bases:
+        base = _signed64(_base())
+        for tensor in _device_bases.values():
+            tensor.fill_(base)
+
+
 def manual_seed(seed: int) -> None:
     """Reset the SR stream: base seed ``seed``, step 0."""
     with _lock:
         _state["seed"] = int(seed)
         _state["step"] = 0
+        _update_device_bases()
 
 
 def get_rng_state() -> dict:
@@ -55,12 +79,14 @@ def set_rng_state(state: dict) -> None:
     with _lock:
         _state["seed"] = int(state["seed"])
         _state["step"] = int(state["step"])
+        _update_device_bases()
 
 
 def advance() -> None:
     """Called on every call of a compiled graph with gradients enabled, before its forward runs."""
     with _lock:
         _state["step"] += 1
+        _update_device_bases()
 
 
 def set_backend_step(step: int) -> None:
@@ -69,9 +95,46 @@ def set_backend_step(step: int) -> None:
 
 
 def sr_seed(node_constant: int) -> int:
+    """The seed a quantize node with ``node_constant`` draws its SR bits from at the current step."""
     with _lock:
-        base = _mix64(_state["seed"] ^ _mix64(_state["step"]))
+        base = _base()
     return _mix64(base ^ node_constant) & ((1 << 63) - 1)
+
+
+class DeviceSeed(NamedTuple):
+    """``sr_seed(node)`` computed where it is used: ``mix64(base ^ node)`` with the low 63 bits kept,
+    ``base`` the int64 [1] tensor ``device_base`` returns (read when the kernel runs, not when it is
+    launched or recorded)."""
+
+    node: int
+    base: torch.Tensor
+
+
+def _device_key(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_base(device) -> torch.Tensor:
+    """The int64 [1] tensor on ``device`` that holds the current step's base (kept up to date in place).
+
+    Created on first use; the backend creates it when it compiles a graph for the device, before any
+    CUDA graph is recorded (an allocation made while one is recorded would belong to the graph).
+    """
+    key = _device_key(device)
+    with _lock:
+        tensor = _device_bases.get(key)
+        if tensor is None:
+            tensor = torch.full((1,), _signed64(_base()), dtype=torch.int64, device=key)
+            _device_bases[key] = tensor
+    return tensor
+
+
+def device_seed(node_constant: int, device) -> DeviceSeed:
+    """The stream of a quantize node for kernels that read the base on ``device``."""
+    return DeviceSeed(int(node_constant), device_base(device))
 
 
 # Fast quantize kernels by device type: each takes (x, fmt, block) and returns a callable

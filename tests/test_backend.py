@@ -333,3 +333,35 @@ def test_training_loss_decreases_and_tracks_fp32():
         finals[precision] = sum(losses[-5:]) / 5
         assert finals[precision] < 0.8 * losses[0], (precision, losses[0], finals[precision])
     assert abs(finals["nvfp4"] - finals["fp32"]) / finals["fp32"] < 0.05, finals
+
+
+def test_mode_reduce_overhead_configures_cuda_graphs(caplog):
+    backend = Backend(mode="reduce-overhead")
+    assert backend.inductor_config["triton.cudagraphs"] is True
+    assert Backend().inductor_config == {} and Backend(mode="default").inductor_config == {}
+    assert fp4compile.get_backend({"seed": 3}, "reduce-overhead").inductor_config["triton.cudagraphs"] is True
+    with pytest.raises(ValueError, match="mode='reduce-overhead' is an Inductor mode; it needs inner='inductor'"):
+        Backend(mode="reduce-overhead", inner="eager")
+    # check_finite reads amax values back to the host: that graph compiles without CUDA graphs, and says so.
+    checked = Backend(mode="reduce-overhead", check_finite=True)
+    with caplog.at_level("WARNING", logger="fp4compile"):
+        assert checked._inductor_config(7)["triton.cudagraphs"] is False
+    assert "graph 7: Recipe(check_finite=True)" in caplog.text and "without CUDA graphs" in caplog.text
+    assert checked.inductor_config["triton.cudagraphs"] is True  # the backend's own setting is kept
+
+
+def test_mode_reduce_overhead_trains_like_the_default_mode_on_cpu():
+    """On the CPU Inductor records no CUDA graph: mode="reduce-overhead" must give the default mode's bits
+    (the GPU test of CUDA graph replays is in test_gpu_backend.py)."""
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(4))
+    results = []
+    for mode in (None, "reduce-overhead"):
+        torch._dynamo.reset()
+        fp4compile.manual_seed(1)
+        model = _gpt(n_layer=2)
+        backend = Backend(mode=mode, high_precision_first_blocks=0, high_precision_last_blocks=0)
+        logits, loss = _train_step(model, backend, idx)
+        results.append((logits.detach(), model.blocks[0].mlp.fc.weight.grad.clone()))
+        assert any(s.precision == "nvfp4" for s in backend.report.sites)
+    for default, reduce_overhead in zip(*results):
+        assert torch.equal(default, reduce_overhead)

@@ -212,6 +212,11 @@ def test_fp4_flags_need_an_fp4_precision():
         train_gpt.parse_args(["--precision", "nvfp4", "--no-compile"])
 
 
+def test_cuda_graphs_need_a_gpu_and_inductor():
+    with pytest.raises(SystemExit, match="--cuda-graphs needs a CUDA device .* device cpu, inner 'eager'"):
+        train_gpt.main(["--cuda-graphs", "--device", "cpu", "--steps", "1", "--quiet"])
+
+
 def test_recipe_from_flags():
     args = train_gpt.parse_args(["--precision", "mxfp4", "--no-rht", "--no-sr", "--no-2d", "--all-fp4",
                                  "--bf16-switch-at", "7", "--forward-only", "--check-finite", "--seed", "3"])

@@ -52,3 +52,51 @@ def test_gpu_compiled_linear_matches_cpu(inner, fmt, fresh_dynamo):
         # A flipped FP4 code would move a value by a whole grid step (>= 1/12 of its block's largest);
         # fp32 summation order moves it by ~1e-6 relative.
         torch.testing.assert_close(gpu, cpu, rtol=1e-4, atol=1e-4 * cpu.abs().max().item())
+
+
+def test_gpu_cuda_graph_replays_draw_fresh_sr_bits(fresh_dynamo):
+    """mode="reduce-overhead" records the training step in CUDA graphs: every replay must draw that
+    step's SR bits (not the recorded step's), i.e. give the bits of the default mode step by step.
+    The input is the same on every step, so the gradients differ between steps only through SR."""
+    torch.manual_seed(0)
+    model = Proj()
+    x = torch.randn(4, 512, 256, device="cuda")
+    g = torch.randn(4, 512, 256, device="cuda")
+    runs = {}
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        runtime.manual_seed(7)
+        m = Proj().cuda()
+        m.load_state_dict(model.state_dict())
+        compiled = torch.compile(
+            m, backend=Backend(mode=mode, high_precision_first_blocks=0, high_precision_last_blocks=0)
+        )
+        steps = []
+        for _ in range(4):  # step 1 warms up, step 2 records, steps 3-4 replay
+            xd = x.clone().requires_grad_()
+            y = compiled(xd)
+            (y * g).sum().backward()
+            steps.append((y.detach().clone(), xd.grad.clone(), m.blocks[0].weight.grad.clone()))
+            m.zero_grad(set_to_none=True)
+        runs[mode] = steps
+        if mode == "reduce-overhead":
+            assert not torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    for step, (plain, graphed) in enumerate(zip(runs["default"], runs["reduce-overhead"])):
+        for name, a, b in zip(("y", "dx", "dW"), plain, graphed):
+            assert torch.equal(a, b), f"step {step}: {name} differs with CUDA graphs"
+    for name, i in (("dx", 1), ("dW", 2)):
+        assert not torch.equal(runs["reduce-overhead"][2][i], runs["reduce-overhead"][3][i]), f"{name}: SR bits repeat"
+    assert torch.equal(runs["reduce-overhead"][2][0], runs["reduce-overhead"][3][0])  # fprop rounds to nearest
+
+
+def test_gpu_sr_on_the_reference_path_refuses_cuda_graph_recording(monkeypatch):
+    """A quantize call no GPU kernel takes (a 1-D tensor) would freeze its SR seed into a CUDA graph: it
+    raises instead of silently repeating the recorded bits."""
+    import fp4compile  # noqa: F401
+
+    x = torch.randn(64, device="cuda")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"fp4.quantize of a \(64,\) torch.float32 tensor with stochastic"):
+        torch.ops.fp4.quantize(x, "nvfp4", "1x16", "sr", 3, "")
+    torch.ops.fp4.quantize(x, "nvfp4", "1x16", "rne", 3, "")  # no seed, nothing to freeze

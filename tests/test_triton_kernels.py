@@ -640,3 +640,89 @@ def test_gpu_wgrad_mxfp4_large(rounding):
             x[32:48, 10] = 60000.0
         out = tk.quantize_wgrad_operand_mxfp4(x.cuda(), rounding, seed=6)
         assert_same_mx_quantization(*out, *mx_wgrad_reference(x, rounding, seed=6))
+
+
+# ----------------------------------------------------------------------------------------------
+# SR seeds read on the device (runtime.DeviceSeed): what CUDA-graph replays rely on
+# ----------------------------------------------------------------------------------------------
+
+NODES = (0, 1, (1 << 63) - 1, 0x5DEECE66D2A3F0B1)  # node constants are 63-bit
+
+
+@pytest.fixture
+def sr_state():
+    from fp4compile import runtime
+
+    saved = runtime.get_rng_state()
+    runtime.set_rng_state({"seed": 0xC0FFEE, "step": 41})
+    yield runtime
+    runtime.set_rng_state(saved)
+
+
+def _device_seed_cases():
+    def wgrad(x, rounding, seed):
+        return tk.quantize_wgrad_operand(x, rounding, seed=seed)
+
+    def wgrad_ref(x, seed):
+        return wgrad_reference(x, "sr", seed=seed)
+
+    return {
+        "1x16": (tk.quantize_1x16, lambda x, s: formats.quantize(x, rounding="sr", seed=s), (48, 96)),
+        "16x16": (tk.quantize_16x16, lambda x, s: formats.quantize(x, block="16x16", rounding="sr", seed=s), (32, 48)),
+        "wgrad": (wgrad, wgrad_ref, (64, 40)),
+        "mxfp4": (tk.quantize_mxfp4, lambda x, s: formats.quantize(x, "mxfp4", "1x32", "sr", seed=s), (40, 96)),
+        "wgrad_mxfp4": (
+            tk.quantize_wgrad_operand_mxfp4,
+            lambda x, s: formats.quantize(formats.rht(x.t()), "mxfp4", "1x32", "sr", seed=s),
+            (64, 24),
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_device_seed_cases()))
+def test_device_seed_equals_the_host_seed(case, sr_state):
+    """A DeviceSeed(node) gives the bits of runtime.sr_seed(node), and after the step advances the same
+    arguments give the next step's bits: the kernel reads the base when it runs."""
+    runtime = sr_state
+    kernel, reference, shape = _device_seed_cases()[case]
+    x = sample(shape, torch.bfloat16, seed=40)
+    for node in NODES:
+        seed = runtime.device_seed(node, DEVICE)
+        data, scales, amax = kernel(x.to(DEVICE), "sr", seed)
+        ref = reference(x, runtime.sr_seed(node))
+        assert torch.equal(data.cpu(), ref.data.view(torch.uint8)), node
+        assert torch.equal(scales.cpu(), ref.scales.view(torch.uint8)), node
+    before = data.cpu()
+    runtime.advance()
+    data, _, _ = kernel(x.to(DEVICE), "sr", seed)  # same arguments, new step
+    assert torch.equal(data.cpu(), reference(x, runtime.sr_seed(NODES[-1])).data.view(torch.uint8))
+    assert not torch.equal(data.cpu(), before)
+
+
+def test_device_base_follows_the_rng_state(sr_state):
+    runtime = sr_state
+    base = runtime.device_base(DEVICE)
+    assert base is runtime.device_base(DEVICE) and base.dtype == torch.int64 and base.shape == (1,)
+
+    def expected():
+        state = runtime.get_rng_state()
+        return runtime._signed64(runtime._mix64(state["seed"] ^ runtime._mix64(state["step"])))
+
+    assert int(base) == expected()
+    runtime.advance()
+    assert int(base) == expected()
+    runtime.set_rng_state({"seed": 5, "step": 2})
+    assert int(base) == expected()
+    runtime.manual_seed(9)
+    assert int(base) == expected() and runtime.get_rng_state() == {"seed": 9, "step": 0}
+
+
+def test_device_seed_errors_and_rne(sr_state):
+    runtime = sr_state
+    x = sample((16, 32), torch.bfloat16, seed=41).to(DEVICE)
+    wrong = runtime.DeviceSeed(3, torch.zeros(1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="DeviceSeed base must be one int64"):
+        tk.quantize_1x16(x, "sr", seed=wrong)
+    # Round-to-nearest ignores the seed, whatever it is.
+    for a, b in zip(tk.quantize_1x16(x, "rne", seed=wrong), tk.quantize_1x16(x, "rne")):
+        assert torch.equal(a, b)
