@@ -113,3 +113,5 @@ def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: st
 
 runtime.register_quantize_provider(_triton_provider("quantize_provider"))
 runtime.register_rht_quantize_provider(_triton_provider("rht_quantize_provider"))
+runtime.register_fake_quantize_provider(_triton_provider("fake_quantize_provider"))
+runtime.register_fake_rht_quantize_provider(_triton_provider("fake_rht_quantize_provider"))

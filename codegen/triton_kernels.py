@@ -83,6 +83,8 @@ __all__ = [
     "emulated_scaled_mm",
     "quantize_provider",
     "rht_quantize_provider",
+    "fake_quantize_provider",
+    "fake_rht_quantize_provider",
     "CONFIGS",
 ]
 
@@ -1100,6 +1102,24 @@ def quantize_provider(x: torch.Tensor, fmt: str, block: str):
     if fmt == "mxfp4":
         return quantize_mxfp4
     return quantize_1x16 if block == "1x16" else quantize_16x16
+
+
+def fake_quantize_provider(x: torch.Tensor, fmt: str, block: str):
+    """A provider for ``runtime.register_fake_quantize_provider``: ``fake_quantize_1x16`` / ``_16x16`` for
+    NVFP4 on CUDA. Returns a callable (x, rounding, seed) -> (block-decoded bf16, amax), or None."""
+    if fmt != "nvfp4" or block not in ("1x16", "16x16"):
+        return None
+    if quantize_provider(x, fmt, block) is None:
+        return None
+    return fake_quantize_1x16 if block == "1x16" else fake_quantize_16x16
+
+
+def fake_rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str):
+    """A provider for ``runtime.register_fake_rht_quantize_provider``: ``fake_quantize_wgrad_operand`` of
+    the ``[K, tokens]`` operand of an NVFP4 wgrad on CUDA, or None where it cannot take the call."""
+    if fmt != "nvfp4" or rht_quantize_provider(x, size, fmt, block) is None:
+        return None
+    return lambda x, rounding, seed: fake_quantize_wgrad_operand(x.t(), rounding, seed)
 
 
 def rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str):

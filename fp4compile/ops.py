@@ -12,6 +12,8 @@ in buffers; ``formats.QTensor`` is rebuilt inside the implementations.
 | ``fp4.dequantize(data, scales, amax, fmt, block, dtype)`` | the exact decode of NUMERICS |
 | ``fp4.rht(x, size)`` | blockwise random Hadamard transform along the last dim |
 | ``fp4.scaled_mm(a, sa, amax_a, b, sb, amax_b, fmt, out_dtype, kernel)`` | FP4 GEMM, fp32 accumulate |
+| ``fp4.fake_quantize(x, fmt, block, rounding, seed)`` / ``fp4.fake_rht_quantize(x, size, ...)`` | block-decoded operand (bf16) and amax |
+| ``fp4.emulated_mm(a_bd, amax_a, b_bd, amax_b, fmt, out_dtype)`` | emulated FP4 GEMM on block-decoded operands |
 """
 
 from __future__ import annotations
@@ -151,6 +153,62 @@ def _(x, size, fmt, block, rounding, seed, check):
     return _quantize_fake(x, fmt, block, rounding, seed, check)
 
 
+# ---------------------------------------------------------------------------------------------
+# fp4.fake_quantize / fp4.fake_rht_quantize: the decoded operands of the emulated GEMM
+# ---------------------------------------------------------------------------------------------
+
+
+def _decoded(data, scales, amax, fmt: str) -> torch.Tensor:
+    """value(code) * block scale in bfloat16 (exact: at most 6 significant bits), what the emulation reads."""
+    return block_decode(data, scales, amax, fmt).to(torch.bfloat16)
+
+
+@torch.library.custom_op("fp4::fake_quantize", mutates_args=())
+def fake_quantize(
+    x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block-decoded ``fp4.quantize(x, ...)`` in bfloat16 with x's shape, amax): the same codes and
+    scales, handed to the emulated GEMM already decoded (``fp4.emulated_mm``). Where a kernel takes the
+    call (on CUDA, NVFP4: one Triton pass after the amax pass) the packed codes are never written and
+    no separate decode pass runs. Seeds and the ``check`` label as ``fp4.quantize``."""
+    kernel = runtime.fake_quantize_kernel(x, fmt, block)
+    if kernel is not None:
+        decoded, amax = kernel(x, rounding, _kernel_stream(x, rounding, seed))
+    else:
+        data, scales, amax = _quantize(x, fmt, block, rounding, seed)
+        decoded = _decoded(data, scales, amax, fmt)
+    if check and not bool(torch.isfinite(amax)):
+        runtime.raise_non_finite(check, x)
+    return decoded, amax
+
+
+@fake_quantize.register_fake
+def _(x, fmt, block, rounding, seed, check):
+    return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("fp4::fake_rht_quantize", mutates_args=())
+def fake_rht_quantize(
+    x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block-decoded ``fp4.rht_quantize(x, size, ...)`` in bfloat16, amax): the weight-gradient operand
+    as ``fp4.emulated_mm`` reads it. On CUDA (NVFP4) the fused transpose + RHT + quantize kernel writes
+    the decoded values directly."""
+    kernel = runtime.fake_rht_quantize_kernel(x, size, fmt, block)
+    if kernel is None:
+        data, scales, amax = torch.ops.fp4.rht_quantize.default(x, size, fmt, block, rounding, seed, check)
+        return _decoded(data, scales, amax, fmt), amax
+    decoded, amax = kernel(x, rounding, _kernel_stream(x, rounding, seed))
+    if check and not bool(torch.isfinite(amax)):
+        runtime.raise_non_finite(check, formats.rht(x, size))  # counted in the transformed operand
+    return decoded, amax
+
+
+@fake_rht_quantize.register_fake
+def _(x, size, fmt, block, rounding, seed, check):
+    return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
+
+
 @torch.library.custom_op("fp4::dequantize", mutates_args=())
 def dequantize(
     data: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, fmt: str, block: str, dtype: torch.dtype
@@ -223,6 +281,30 @@ def scaled_mm(
 
 @scaled_mm.register_fake
 def _(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, kernel):
+    return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)
+
+
+@torch.library.custom_op("fp4::emulated_mm", mutates_args=())
+def emulated_mm(
+    a: torch.Tensor, a_amax: torch.Tensor, b: torch.Tensor, b_amax: torch.Tensor, fmt: str, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """C = A @ B.T for block-decoded operands A [M, K], B [N, K] (bfloat16, from ``fp4.fake_quantize``):
+    fp32 accumulation, then alpha = amax_A * amax_B / 2688**2 (NVFP4) once, cast to ``out_dtype``; the
+    arithmetic of ``fp4.scaled_mm``'s emulation on the same operands. On CUDA: a BF16 GEMM with fp32
+    output and the Triton epilogue."""
+    if a.is_cuda and fmt == "nvfp4" and a.dim() == 2 and b.dim() == 2:
+        from fp4compile.codegen import triton_kernels
+
+        if triton_kernels.available()[0]:
+            return triton_kernels.emulated_scaled_mm(a, a_amax, b, b_amax, out_dtype)
+    acc = a.float() @ b.float().transpose(-2, -1)
+    if fmt == "nvfp4":
+        acc = acc * formats.global_decode_scale(a_amax) * formats.global_decode_scale(b_amax)
+    return acc.to(out_dtype)
+
+
+@emulated_mm.register_fake
+def _(a, a_amax, b, b_amax, fmt, out_dtype):
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)
 
 

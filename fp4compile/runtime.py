@@ -173,6 +173,29 @@ def rht_quantize_kernel(x: torch.Tensor, size: int, fmt: str, block: str) -> Opt
     return _first_kernel(_rht_quantize_providers, x, size, fmt, block)
 
 
+# Quantize-and-decode kernels (the operands of the emulated GEMM, ``fp4.fake_quantize``): each takes
+# (x, fmt, block) and returns a callable (x, rounding, seed) -> (block-decoded bf16, amax), or None.
+_fake_quantize_providers: list[Callable] = []
+# The same for the weight-gradient operands (``fp4.fake_rht_quantize``): (x, size, fmt, block) -> callable.
+_fake_rht_quantize_providers: list[Callable] = []
+
+
+def register_fake_quantize_provider(provider: Callable) -> None:
+    _fake_quantize_providers.append(provider)
+
+
+def register_fake_rht_quantize_provider(provider: Callable) -> None:
+    _fake_rht_quantize_providers.append(provider)
+
+
+def fake_quantize_kernel(x: torch.Tensor, fmt: str, block: str) -> Optional[Callable]:
+    return _first_kernel(_fake_quantize_providers, x, fmt, block)
+
+
+def fake_rht_quantize_kernel(x: torch.Tensor, size: int, fmt: str, block: str) -> Optional[Callable]:
+    return _first_kernel(_fake_rht_quantize_providers, x, size, fmt, block)
+
+
 def raise_non_finite(label: str, x: torch.Tensor) -> None:
     """The error ``Recipe(check_finite=True)`` raises: names layer, GEMM role, operand and step.
 

@@ -6,7 +6,7 @@ aot_autograd traces from the marked graph (they see the three role-tagged GEMMs 
 
     find_gemm_sites -> find_blocks -> assign_precision -> [user passes] -> mark_fp4_linear
     ──aot_autograd──▶ plan_gemm_roles -> insert_rht -> insert_quantize -> lower_scaled_mm
-                      -> fuse_rht_quantize
+                      -> fuse_rht_quantize -> decode_for_emulation
 
 Every pass is ``fn(gm, ctx) -> gm`` in its own module, with a docstring saying what it requires and
 guarantees. ``print_pipeline()`` prints this list; ``FP4COMPILE_PRINT_IR_AFTER=all`` (or a comma list
@@ -23,6 +23,7 @@ import torch.fx as fx
 from fp4compile.sites import CompileContext
 
 from .assign_precision import assign_precision
+from .decode_for_emulation import decode_for_emulation
 from .find_blocks import find_blocks
 from .find_gemm_sites import find_gemm_sites
 from .fuse_rht_quantize import fuse_rht_quantize
@@ -37,7 +38,9 @@ Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 DYNAMO_PASSES: list[Pass] = [find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear]
 # User precision passes are inserted at this index of DYNAMO_PASSES (after assign_precision).
 USER_PASS_INDEX = DYNAMO_PASSES.index(assign_precision) + 1
-AOT_PASSES: list[Pass] = [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize]
+AOT_PASSES: list[Pass] = [
+    plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize, decode_for_emulation,
+]
 
 
 def pass_name(p: Pass) -> str:
@@ -75,10 +78,10 @@ def print_pipeline(user_passes: Sequence[Pass] = ()) -> str:
     """The pipeline as text: stage, pass name and the first line of its docstring."""
     lines = ["dynamo graph:"]
     for p in dynamo_pipeline(user_passes):
-        lines.append(f"  {pass_name(p):18s} {_summary(p)}")
+        lines.append(f"  {pass_name(p):20s} {_summary(p)}")
     lines.append("aot_autograd forward and backward graphs:")
     for p in AOT_PASSES:
-        lines.append(f"  {pass_name(p):18s} {_summary(p)}")
+        lines.append(f"  {pass_name(p):20s} {_summary(p)}")
     return "\n".join(lines)
 
 

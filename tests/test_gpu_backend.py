@@ -100,3 +100,32 @@ def test_gpu_sr_on_the_reference_path_refuses_cuda_graph_recording(monkeypatch):
     with pytest.raises(RuntimeError, match=r"fp4.quantize of a \(64,\) torch.float32 tensor with stochastic"):
         torch.ops.fp4.quantize(x, "nvfp4", "1x16", "sr", 3, "")
     torch.ops.fp4.quantize(x, "nvfp4", "1x16", "rne", 3, "")  # no seed, nothing to freeze
+
+
+def test_gpu_decoded_operands_give_the_bits_of_packed_ones(monkeypatch, fresh_dynamo):
+    """On CUDA the emulated GEMMs read operands decoded by their quantizers (``decode_for_emulation``);
+    with the pass off they decode packed codes first. Same bits either way, every role."""
+    from fp4compile.passes import decode_for_emulation as decode_module
+
+    torch.manual_seed(0)
+    model = Proj()
+    x = torch.randn(4, 512, 256, device="cuda")
+    g = torch.randn(4, 512, 256, device="cuda")
+    results = {}
+    for decoded in (True, False):
+        torch._dynamo.reset()
+        runtime.manual_seed(11)
+        if not decoded:
+            monkeypatch.setattr(decode_module, "applies", lambda mm: False)
+        m = Proj().cuda()
+        m.load_state_dict(model.state_dict())
+        backend = Backend(inner="eager", high_precision_first_blocks=0, high_precision_last_blocks=0)
+        xd = x.clone().requires_grad_()
+        y = torch.compile(m, backend=backend)(xd)
+        (y * g).sum().backward()
+        results[decoded] = (y.detach(), xd.grad, m.blocks[0].weight.grad)
+        final = [gr.code for gr in backend.report.graphs if gr.pass_name == "decode_for_emulation"]
+        assert len(final) == 2 and all(("fp4.emulated_mm" in code) == decoded for code in final)
+        assert all(("fp4.scaled_mm" in code) != decoded for code in final)
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)

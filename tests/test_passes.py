@@ -11,7 +11,9 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from functorch.compile import make_boxed_func
 
 from fp4compile import Recipe, ops
+from fp4compile.passes import decode_for_emulation as decode_module
 from fp4compile.passes.assign_precision import assign_precision
+from fp4compile.passes.decode_for_emulation import decode_for_emulation
 from fp4compile.passes.find_blocks import find_blocks
 from fp4compile.passes.find_gemm_sites import find_gemm_sites
 from fp4compile.passes.fuse_rht_quantize import fuse_rht_quantize
@@ -118,22 +120,7 @@ def test_mark_fp4_linear_rewrites_only_low_precision_sites(dynamo_graph):
 
 def aot_graphs(gm, example, ctx, passes):
     """Trace forward and backward with aot_autograd and run ``passes`` on both; return the graphs."""
-    out = {}
-
-    def compiler(stage):
-        def compile_graph(graph, inputs):
-            for p in passes:
-                graph = p(graph, ctx)
-            out[stage] = graph
-            return make_boxed_func(graph.forward)
-
-        return compile_graph
-
-    compiled = aot_module_simplified(gm, example, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
-    inputs = [t.detach().requires_grad_(t.requires_grad) for t in example]
-    y = compiled(*inputs)
-    (y[0] if isinstance(y, (tuple, list)) else y).sum().backward()
-    return out
+    return _run_with_grads(gm, example, ctx, passes)[0]
 
 
 @pytest.fixture
@@ -253,3 +240,93 @@ def test_quantize_dequantize_stage_is_numerically_close_to_lowered(marked):
         graphs = aot_graphs(gm, example, ctx, passes)
         results[name] = graphs["forward"](*[t.detach() for t in example])[0]
     torch.testing.assert_close(results["qdq"], results["lowered"], rtol=1e-5, atol=1e-5)
+
+
+def _run_with_grads(gm, example, ctx, passes):
+    """(graphs, forward output, gradients of every input that requires grad) through ``passes``."""
+    out = {}
+
+    def compiler(stage):
+        def compile_graph(graph, inputs):
+            for p in passes:
+                graph = p(graph, ctx)
+            out[stage] = graph
+            return make_boxed_func(graph.forward)
+
+        return compile_graph
+
+    compiled = aot_module_simplified(gm, example, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+    inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in example]
+    y = compiled(*inputs)
+    y = y[0] if isinstance(y, (tuple, list)) else y
+    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    return out, y.detach(), [t.grad for t in inputs if t.requires_grad]
+
+
+LOWERED = [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize]
+
+
+def test_decode_for_emulation_keeps_cpu_graphs(marked):
+    gm, example, ctx = marked
+    graphs = aot_graphs(gm, example, ctx, LOWERED + [decode_for_emulation])
+    assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 4
+    assert len(role_nodes(graphs["backward"], F4.scaled_mm.default)) == 8
+    for graph in graphs.values():
+        assert role_nodes(graph, F4.emulated_mm.default) == []
+
+
+def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked, monkeypatch):
+    """Where it applies (CUDA; forced here on the CPU), every emulated NVFP4 GEMM reads operands decoded by
+    their quantizer: node counts, arguments and metadata carried over, and the same output and gradient bits."""
+    gm, example, ctx = marked
+    import fp4compile
+
+    fp4compile.manual_seed(3)
+    _, y_ref, grads_ref = _run_with_grads(gm, example, ctx, LOWERED)
+    plain = aot_graphs(gm, example, ctx, LOWERED)
+    quantize_args = {(n.meta["fp4_quantize"]["site"], n.meta["fp4_quantize"]["operand"], n.meta["fp4_quantize"]["role"]): n.args
+                     for g in plain.values() for n in g.graph.nodes
+                     if n.target in (F4.quantize.default, F4.rht_quantize.default)}
+    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    fp4compile.manual_seed(3)
+    graphs, y, grads = _run_with_grads(gm, example, ctx, LOWERED + [decode_for_emulation])
+    forward, backward = graphs["forward"], graphs["backward"]
+    for graph in (forward, backward):
+        for target in (F4.scaled_mm.default, F4.quantize.default, F4.rht_quantize.default, F4.dequantize.default):
+            assert role_nodes(graph, target) == [], target
+    assert len(role_nodes(forward, F4.emulated_mm.default)) == 4
+    assert len(role_nodes(forward, F4.fake_quantize.default)) == 8
+    assert len(role_nodes(backward, F4.emulated_mm.default)) == 8
+    assert len(role_nodes(backward, F4.fake_quantize.default)) == 8  # dY and W^T of dgrad
+    assert len(role_nodes(backward, F4.fake_rht_quantize.default)) == 8  # both wgrad operands
+    decoded = [n for g in (forward, backward) for n in g.graph.nodes
+               if n.target in (F4.fake_quantize.default, F4.fake_rht_quantize.default)]
+    assert len(decoded) == len(quantize_args) == 24
+    for node in decoded:
+        meta = node.meta["fp4_quantize"]
+        assert meta["decoded"] is True
+        want = quantize_args[(meta["site"], meta["operand"], meta["role"])]
+        assert node.args[1:] == want[1:] and node.args[0].name == want[0].name  # same operand, seed, label
+    for mm in role_nodes(backward, F4.emulated_mm.default):
+        assert mm.meta["fp4_role"].role in ("dgrad", "wgrad") and mm.args[4:] == ("nvfp4", torch.float32)
+    assert torch.equal(y, y_ref)
+    assert len(grads) == len(grads_ref) > 0
+    for g, g_ref in zip(grads, grads_ref):
+        assert torch.equal(g, g_ref)
+
+
+def test_decode_for_emulation_needs_a_sole_consumer(marked, monkeypatch):
+    """A quantized operand that something else also reads keeps its packed form and its scaled_mm."""
+    gm, example, ctx = marked
+    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+
+    def share_one_amax(graph, ctx):  # a second reader of one fprop operand's amax
+        mm = role_nodes(graph, F4.scaled_mm.default)[0]
+        with graph.graph.inserting_after(mm):
+            extra = graph.graph.call_function(torch.ops.aten.add.Tensor, (mm.args[2], 1.0))
+        extra.meta["val"] = mm.args[2].meta["val"]
+        return graph
+
+    graphs = aot_graphs(gm, example, ctx, LOWERED + [share_one_amax, decode_for_emulation])
+    assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 1
+    assert len(role_nodes(graphs["forward"], F4.emulated_mm.default)) == 3

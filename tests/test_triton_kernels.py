@@ -726,3 +726,31 @@ def test_device_seed_errors_and_rne(sr_state):
     # Round-to-nearest ignores the seed, whatever it is.
     for a, b in zip(tk.quantize_1x16(x, "rne", seed=wrong), tk.quantize_1x16(x, "rne")):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_gpu_decoded_ops_equal_decoded_packed_ops(rounding, sr_state):
+    """fp4.fake_quantize / fake_rht_quantize / emulated_mm on CUDA (the Triton fake-quant kernels) against
+    fp4.quantize / rht_quantize / scaled_mm on the same operands: the same bits."""
+    import fp4compile  # noqa: F401
+
+    ops = torch.ops.fp4
+    x = sample((1024, 768), torch.bfloat16, seed=50, spread=2.0).cuda()
+    w = sample((512, 768), torch.float32, seed=51).cuda()
+    for t, block in ((x, "1x16"), (w, "16x16"), (w.t(), "16x16")):
+        decoded, amax = ops.fake_quantize(t, "nvfp4", block, rounding, 77, "")
+        data, scales, amax_q = ops.quantize(t, "nvfp4", block, rounding, 77, "")
+        assert torch.equal(amax, amax_q)
+        assert torch.equal(decoded, tk.block_decode(data, scales))
+    xt = x.t()  # the [K, tokens] view a wgrad quantizes
+    decoded, amax = ops.fake_rht_quantize(xt, 16, "nvfp4", "1x16", rounding, 78, "")
+    data, scales, amax_q = ops.rht_quantize(xt, 16, "nvfp4", "1x16", rounding, 78, "")
+    assert torch.equal(amax, amax_q) and torch.equal(decoded, tk.block_decode(data, scales))
+    a, b = ops.quantize(x, "nvfp4", "1x16", rounding, 1, ""), ops.quantize(w, "nvfp4", "16x16", "rne", 2, "")
+    a_bd, a_amax = ops.fake_quantize(x, "nvfp4", "1x16", rounding, 1, "")
+    b_bd, b_amax = ops.fake_quantize(w, "nvfp4", "16x16", "rne", 2, "")
+    for dtype in (torch.float32, torch.bfloat16):
+        packed = ops.scaled_mm(*a, *b, "nvfp4", dtype, "emulation")
+        assert torch.equal(ops.emulated_mm(a_bd, a_amax, b_bd, b_amax, "nvfp4", dtype), packed)

@@ -1,0 +1,92 @@
+"""decode_for_emulation: emulated NVFP4 GEMMs on CUDA read operands their quantizer wrote decoded.
+
+Requires: ``lower_scaled_mm`` and ``fuse_rht_quantize``.
+Guarantees: every 2-D ``fp4.scaled_mm`` on a CUDA device with the ``emulation`` kernel and NVFP4 whose
+operands come straight from ``fp4.quantize`` / ``fp4.rht_quantize`` nodes (used by that GEMM alone)
+becomes ``fp4.emulated_mm(a_bd, a_amax, b_bd, b_amax, fmt, dtype)`` on ``fp4.fake_quantize`` /
+``fp4.fake_rht_quantize`` nodes with the same arguments (seed, check label, metadata): the same codes
+and scales, but the quantizing kernel writes value(code) * block scale in BF16 (exact) instead of packed
+codes, so no decode pass runs before the GEMM. The result has the bits of the ``scaled_mm`` it replaces.
+CUTLASS GEMMs (Blackwell), MXFP4, batched GEMMs, sharded-amax operands and CPU graphs keep ``scaled_mm``.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fp4compile.sites import CompileContext
+
+from .fuse_rht_quantize import RHT_QUANTIZE
+from .insert_quantize import QUANTIZE
+from .lower_scaled_mm import SCALED_MM
+
+FAKE_QUANTIZE = torch.ops.fp4.fake_quantize.default
+FAKE_RHT_QUANTIZE = torch.ops.fp4.fake_rht_quantize.default
+EMULATED_MM = torch.ops.fp4.emulated_mm.default
+
+
+def applies(mm: fx.Node) -> bool:
+    """Whether the emulated GEMM ``mm`` runs where the decoded form pays: a CUDA device."""
+    val = mm.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.device.type == "cuda"
+
+
+def _quantize_of(mm: fx.Node, triple) -> "fx.Node | None":
+    """The quantize node whose (codes, scales, amax) are ``triple``, if ``mm`` is its only consumer."""
+    if not all(isinstance(t, fx.Node) and t.target is operator.getitem for t in triple):
+        return None
+    q = triple[0].args[0]
+    if not isinstance(q, fx.Node) or q.target not in (QUANTIZE, RHT_QUANTIZE):
+        return None
+    if [t.args for t in triple] != [(q, 0), (q, 1), (q, 2)]:
+        return None
+    for item in q.users:
+        if item.target is not operator.getitem or any(u is not mm for u in item.users):
+            return None
+    return q
+
+
+def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    replaced = 0
+    for mm in list(gm.graph.nodes):
+        if mm.op != "call_function" or mm.target is not SCALED_MM:
+            continue
+        a, sa, amax_a, b, sb, amax_b, fmt, dtype, kernel = mm.args
+        if kernel != "emulation" or fmt != "nvfp4" or not applies(mm):
+            continue
+        if a.meta["val"].dim() != 2 or b.meta["val"].dim() != 2:
+            continue
+        sources = [_quantize_of(mm, (a, sa, amax_a)), _quantize_of(mm, (b, sb, amax_b))]
+        if None in sources:
+            continue
+        operands = []
+        for q in sources:
+            target = FAKE_RHT_QUANTIZE if q.target is RHT_QUANTIZE else FAKE_QUANTIZE
+            with gm.graph.inserting_before(q):
+                fq = gm.graph.call_function(target, q.args)
+                parts = [gm.graph.call_function(operator.getitem, (fq, j)) for j in (0, 1)]
+            fq.meta.update({k: v for k, v in q.meta.items() if k not in ("val", "eager_input_vals")})
+            if "fp4_quantize" in q.meta:
+                fq.meta["fp4_quantize"] = dict(q.meta["fp4_quantize"], decoded=True)
+            vals = target(q.args[0].meta["val"], *q.args[1:])  # the ops' fake implementations
+            fq.meta["val"] = vals
+            for j, part in enumerate(parts):
+                part.meta["val"] = vals[j]
+            operands.append(parts)
+        with gm.graph.inserting_before(mm):
+            new = gm.graph.call_function(EMULATED_MM, (*operands[0], *operands[1], fmt, dtype))
+        new.meta.update({k: v for k, v in mm.meta.items() if k != "eager_input_vals"})
+        mm.replace_all_uses_with(new)
+        gm.graph.erase_node(mm)
+        for q in sources:
+            for item in list(q.users):
+                gm.graph.erase_node(item)
+            gm.graph.erase_node(q)
+        replaced += 1
+    gm.graph.lint()
+    gm.recompile()
+    ctx.note(f"graph {ctx.graph_id}: {replaced} emulated GEMMs read operands decoded by their quantizers")
+    return gm
