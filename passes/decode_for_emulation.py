@@ -1,7 +1,8 @@
 """decode_for_emulation: emulated NVFP4 GEMMs on CUDA read operands their quantizer wrote decoded.
 
 Requires: ``lower_scaled_mm`` and ``fuse_rht_quantize``.
-Guarantees: every 2-D ``fp4.scaled_mm`` on a CUDA device with the ``emulation`` kernel and NVFP4 whose
+Guarantees: with ``Recipe(decoded_operands=True)`` (off by default; without it the pass changes
+nothing), every 2-D ``fp4.scaled_mm`` on a CUDA device with the ``emulation`` kernel and NVFP4 whose
 operands come straight from ``fp4.quantize`` / ``fp4.rht_quantize`` nodes (used by that GEMM alone)
 becomes ``fp4.emulated_mm(a_bd, a_amax, b_bd, b_amax, fmt, dtype)`` on ``fp4.fake_quantize`` /
 ``fp4.fake_rht_quantize`` nodes with the same arguments (seed, check label, metadata): the same codes
@@ -50,6 +51,8 @@ def _quantize_of(mm: fx.Node, triple) -> "fx.Node | None":
 
 
 def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    if not ctx.recipe.decoded_operands:
+        return gm
     replaced = 0
     for mm in list(gm.graph.nodes):
         if mm.op != "call_function" or mm.target is not SCALED_MM:

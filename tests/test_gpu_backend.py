@@ -102,11 +102,9 @@ def test_gpu_sr_on_the_reference_path_refuses_cuda_graph_recording(monkeypatch):
     torch.ops.fp4.quantize(x, "nvfp4", "1x16", "rne", 3, "")  # no seed, nothing to freeze
 
 
-def test_gpu_decoded_operands_give_the_bits_of_packed_ones(monkeypatch, fresh_dynamo):
-    """On CUDA the emulated GEMMs read operands decoded by their quantizers (``decode_for_emulation``);
-    with the pass off they decode packed codes first. Same bits either way, every role."""
-    from fp4compile.passes import decode_for_emulation as decode_module
-
+def test_gpu_decoded_operands_give_the_bits_of_packed_ones(fresh_dynamo):
+    """With Recipe(decoded_operands=True) the emulated GEMMs on CUDA read operands decoded by their
+    quantizers (``decode_for_emulation``); by default they decode packed codes first. Same bits."""
     torch.manual_seed(0)
     model = Proj()
     x = torch.randn(4, 512, 256, device="cuda")
@@ -115,11 +113,10 @@ def test_gpu_decoded_operands_give_the_bits_of_packed_ones(monkeypatch, fresh_dy
     for decoded in (True, False):
         torch._dynamo.reset()
         runtime.manual_seed(11)
-        if not decoded:
-            monkeypatch.setattr(decode_module, "applies", lambda mm: False)
         m = Proj().cuda()
         m.load_state_dict(model.state_dict())
-        backend = Backend(inner="eager", high_precision_first_blocks=0, high_precision_last_blocks=0)
+        backend = Backend(inner="eager", high_precision_first_blocks=0, high_precision_last_blocks=0,
+                          decoded_operands=decoded)
         xd = x.clone().requires_grad_()
         y = torch.compile(m, backend=backend)(xd)
         (y * g).sum().backward()

@@ -266,8 +266,11 @@ def _run_with_grads(gm, example, ctx, passes):
 LOWERED = [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize]
 
 
-def test_decode_for_emulation_keeps_cpu_graphs(marked):
+@pytest.mark.parametrize("decoded, on_cuda", [(True, False), (False, True)])
+def test_decode_for_emulation_needs_cuda_and_the_recipe_flag(marked, monkeypatch, decoded, on_cuda):
     gm, example, ctx = marked
+    ctx.recipe = ctx.recipe.replace(decoded_operands=decoded)
+    monkeypatch.setattr(decode_module, "applies", lambda mm: on_cuda)
     graphs = aot_graphs(gm, example, ctx, LOWERED + [decode_for_emulation])
     assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 4
     assert len(role_nodes(graphs["backward"], F4.scaled_mm.default)) == 8
@@ -288,6 +291,7 @@ def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked,
                      for g in plain.values() for n in g.graph.nodes
                      if n.target in (F4.quantize.default, F4.rht_quantize.default)}
     monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    ctx.recipe = ctx.recipe.replace(decoded_operands=True)
     fp4compile.manual_seed(3)
     graphs, y, grads = _run_with_grads(gm, example, ctx, LOWERED + [decode_for_emulation])
     forward, backward = graphs["forward"], graphs["backward"]
@@ -318,6 +322,7 @@ def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked,
 def test_decode_for_emulation_needs_a_sole_consumer(marked, monkeypatch):
     """A quantized operand that something else also reads keeps its packed form and its scaled_mm."""
     gm, example, ctx = marked
+    ctx.recipe = ctx.recipe.replace(decoded_operands=True)
     monkeypatch.setattr(decode_module, "applies", lambda mm: True)
 
     def share_one_amax(graph, ctx):  # a second reader of one fprop operand's amax
