@@ -88,8 +88,10 @@ def list_source_files(root: Path, include_tests: bool = False) -> list[str]:
         # os.walk order depends on the file system; prune here, sort at the end.
         dirnames[:] = [d for d in dirnames if d not in skip]
         for name in filenames:
-            # Regular files only: installed packages can hold dangling links.
-            if name.endswith(".py") and os.path.isfile(os.path.join(dirpath, name)):
+            # Regular, readable files only: installed packages can hold dangling links, and some
+            # installations have files only their owner may read.
+            path = os.path.join(dirpath, name)
+            if name.endswith(".py") and os.path.isfile(path) and os.access(path, os.R_OK):
                 found.append(Path(dirpath, name).relative_to(root).as_posix())
     return sorted(found)
 

@@ -12,7 +12,8 @@ most of a large GPU idle, so several runs on one GPU finish sooner than the same
 
 A study longer than one sitting: ``--time-limit SECONDS`` stops every run in time to write its
 checkpoint; the same command again continues each run where it stopped (bit for bit where the device
-is deterministic) and skips the finished ones. The BF16-switch run is not trained from scratch: it
+is deterministic) and skips the finished ones (after checking they were trained with the same arguments).
+The BF16-switch run is not trained from scratch: it
 continues the NVFP4 run's checkpoint at the switch step (``--no-fork`` trains it from scratch).
 """
 
@@ -131,6 +132,25 @@ def finished_before(out_dir: Path, name: str) -> bool:
         return False
 
 
+def check_finished_runs(args, names: list[str]) -> None:
+    """Exit with an error naming the difference when a finished run in --out-dir was trained with other
+    arguments than this study would give it (it would otherwise be skipped and plotted as if it matched)."""
+    from train_gpt import parse_args as train_args, run_differences
+
+    for name in names:
+        saved = json.loads((args.out_dir / f"{name}.json").read_text())["args"]
+        flags = [f.replace("{switch}", str(switch_step(args))) for f in CONFIGS[name]]
+        wanted = train_args([*args.train_args, *flags, "--name", name])
+        diffs = run_differences(wanted, saved, what="finished run")
+        if wanted.bf16_switch_at != saved.get("bf16_switch_at"):
+            diffs.append(f"--bf16-switch-at {wanted.bf16_switch_at!r} (finished run: {saved.get('bf16_switch_at')!r})")
+        if diffs:
+            raise SystemExit(
+                f"run_study.py: error: {args.out_dir / (name + '.json')} is a finished run with other training "
+                f"arguments: {'; '.join(diffs)}. Use another --out-dir, or move that run away."
+            )
+
+
 def _last_line(path: Path) -> str:
     try:
         lines = path.read_text(errors="replace").strip().splitlines()
@@ -150,6 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sys.path.insert(0, str(HERE))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     done = [n for n in args.configs if finished_before(args.out_dir, n)]
+    check_finished_runs(args, done)
     for name in done:
         print(f"{name}: finished earlier ({name}.json), skipped", flush=True)
     pending = [n for n in args.configs if n not in done]

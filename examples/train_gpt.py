@@ -179,10 +179,15 @@ def check_same_corpus(stats: dict, saved: dict, path: Path) -> None:
         raise ValueError(f"cannot resume from {path}: the corpus differs: " + "; ".join(diffs))
 
 
+def run_differences(args: argparse.Namespace, saved: dict, what: str = "checkpoint") -> list[str]:
+    """The run-defining arguments where ``args`` differs from ``saved`` (a run's recorded arguments)."""
+    return [f"--{k.replace('_', '-')} {getattr(args, k)!r} ({what}: {saved.get(k)!r})"
+            for k in _RUN_DEFINING if getattr(args, k) != saved.get(k)]
+
+
 def check_resume(args: argparse.Namespace, saved: dict, step: int, path: Path) -> None:
     """Raise ValueError naming what differs when ``args`` cannot continue the checkpoint's run."""
-    diffs = [f"--{k.replace('_', '-')} {getattr(args, k)!r} (checkpoint: {saved.get(k)!r})"
-             for k in _RUN_DEFINING if getattr(args, k) != saved.get(k)]
+    diffs = run_differences(args, saved)
     switch, saved_switch = args.bf16_switch_at, saved.get("bf16_switch_at")
     if switch != saved_switch and (
         (switch is not None and switch < step) or (saved_switch is not None and saved_switch <= step)

@@ -61,6 +61,13 @@ def test_source_files_exclude_site_packages_and_tests(tmp_path):
     assert not any("site-packages" in f or "__pycache__" in f for f in with_tests)
 
 
+def test_source_files_skip_unreadable_files(tmp_path, monkeypatch):
+    _fake_stdlib(tmp_path)
+    access = corpus.os.access
+    monkeypatch.setattr(corpus.os, "access", lambda path, mode: not str(path).endswith("decoder.py") and access(path, mode))
+    assert corpus.list_source_files(tmp_path) == ["email/mime/text.py", "json/__init__.py", "os.py"]
+
+
 def test_corpus_says_how_many_test_files_it_holds(tmp_path):
     _fake_stdlib(tmp_path)
     with_tests = corpus.load_corpus(tmp_path, val_fraction=0.5, include_tests=True)
@@ -393,6 +400,11 @@ def test_run_study_runs_side_by_side(tmp_path, capfd):
     assert run_study.main(["--out-dir", str(tmp_path), *configs, "--", *quick]) == 0
     out = capfd.readouterr().out
     assert all(f"{n}: finished earlier" in out for n in ("bf16", "nvfp4", "nvfp4-bf16-switch"))
+    # Other training arguments: the finished runs are not taken as this study's.
+    longer = [("4" if i and quick[i - 1] == "--steps" else a) for i, a in enumerate(quick)]
+    with pytest.raises(SystemExit, match=r"bf16.json is a finished run with other training arguments: "
+                                         r"--steps 4 \(finished run: 3\)"):
+        run_study.main(["--out-dir", str(tmp_path), *configs, "--", *longer])
 
 
 def test_run_study_time_limit_then_continue(tmp_path, capfd, monkeypatch):
