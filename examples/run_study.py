@@ -227,7 +227,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for name in running:
                     print(f"[{now - start:6.0f} s] {name:18s} {_last_line(args.out_dir / f'{name}.log')}", flush=True)
             time.sleep(0.5)
-    finally:  # interrupted (Ctrl-C, an error): stop the runs still going
+    finally:  # interrupted (Ctrl-C, an error): stop the runs still going (SIGTERM: each writes its checkpoint)
         for proc, _ in running.values():
             proc.terminate()
         for proc, _ in running.values():

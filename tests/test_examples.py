@@ -307,6 +307,32 @@ def test_train_gpt_time_limit_and_resume(tmp_path, capsys):
     assert done["train"]["loss"] == whole["train"]["loss"] and done["summary"]["steps"] == 3
 
 
+def test_train_gpt_sigterm_writes_the_checkpoint(tmp_path, capsys, monkeypatch):
+    """SIGTERM during step 2 (of 3): the step finishes, the checkpoint is written, the run continues from it."""
+    import os
+    import signal
+
+    base = ["--precision", "bf16", "--device", "cpu", "--no-compile", *QUICK]
+    whole = train_gpt.main(base)
+    ckpt = tmp_path / "run.pt"
+    lr_at = train_gpt.lr_at
+
+    def lr_then_signal(step, *args):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return lr_at(step, *args)
+
+    monkeypatch.setattr(train_gpt, "lr_at", lr_then_signal)
+    before = signal.getsignal(signal.SIGTERM)
+    stopped = train_gpt.main([*base, "--checkpoint", str(ckpt)])
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+    assert stopped["summary"] is None and len(stopped["train"]["step"]) == 2 and ckpt.exists()
+    assert "stopped after step 2 of 3 by SIGTERM" in capsys.readouterr().out
+    monkeypatch.setattr(train_gpt, "lr_at", lr_at)
+    done = train_gpt.main([*base, "--resume", str(ckpt)])
+    assert done["train"]["loss"] == whole["train"]["loss"] and done["summary"]["steps"] == 3
+
+
 def test_train_gpt_resume_refuses_another_run(tmp_path):
     ckpt = tmp_path / "run.pt"
     base = ["--precision", "bf16", "--device", "cpu", "--no-compile", *QUICK]
