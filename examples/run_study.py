@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -151,6 +153,10 @@ def check_finished_runs(args, names: list[str]) -> None:
             )
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def _last_line(path: Path) -> str:
     try:
         lines = path.read_text(errors="replace").strip().splitlines()
@@ -175,6 +181,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{name}: finished earlier ({name}.json), skipped", flush=True)
     pending = [n for n in args.configs if n not in done]
     running: dict[str, tuple[subprocess.Popen, float]] = {}
+    previous_handler = None
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM ends this loop through its ``finally``, which passes the signal on to the runs.
+        previous_handler = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logs = {}
     ended: dict[str, tuple[int, float]] = {}
     start = time.monotonic()
@@ -227,13 +237,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for name in running:
                     print(f"[{now - start:6.0f} s] {name:18s} {_last_line(args.out_dir / f'{name}.log')}", flush=True)
             time.sleep(0.5)
-    finally:  # interrupted (Ctrl-C, an error): stop the runs still going (SIGTERM: each writes its checkpoint)
+    finally:  # interrupted (SIGTERM, Ctrl-C, an error): stop the runs still going; on SIGTERM each run
+        # writes its checkpoint after its step in progress (Ctrl-C reaches the runs themselves first)
         for proc, _ in running.values():
             proc.terminate()
         for proc, _ in running.values():
             proc.wait()
         for log in logs.values():
             log.close()
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
     complete = [n for n in args.configs if finished_before(args.out_dir, n)]
     if complete:
         subprocess.run([sys.executable, str(HERE / "plot_runs.py"), *(str(args.out_dir / f"{n}.json") for n in complete),

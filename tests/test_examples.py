@@ -447,3 +447,29 @@ def test_run_study_time_limit_then_continue(tmp_path, capfd, monkeypatch):
     run = json.loads((tmp_path / "bf16.json").read_text())
     assert run["summary"]["steps"] == 3 and len(run["segments"]) == 2
     assert run["segments"][1]["start_step"] == len(partial["train"]["step"])
+
+
+def test_run_study_sigterm_stops_the_runs_with_their_checkpoints(tmp_path):
+    """SIGTERM to run_study.py reaches each run, which finishes its step, writes its checkpoint and stops
+    (continuing from such a checkpoint is what the time-limit test checks)."""
+    import signal
+    import subprocess
+    import time
+
+    args = [a for a in QUICK if a != "--quiet"]
+    args[args.index("--steps") + 1] = "400"
+    cmd = [sys.executable, str(EXAMPLES / "run_study.py"), "--out-dir", str(tmp_path), "--configs", "bf16",
+           "--refresh", "1000", "--", *args, "--no-compile", "--log-every", "1"]
+    study = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "bf16.log"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "step   2/400" in log.read_text()):  # the run is training
+        assert time.monotonic() < deadline and study.poll() is None, "the run did not start training"
+        time.sleep(0.2)
+    study.send_signal(signal.SIGTERM)
+    out, _ = study.communicate(timeout=120)
+    assert study.returncode == 128 + signal.SIGTERM
+    assert "by SIGTERM" in log.read_text()
+    partial = json.loads((tmp_path / "bf16.json").read_text())
+    steps = len(partial["train"]["step"])
+    assert partial["summary"] is None and 2 <= steps < 400 and (tmp_path / "bf16.pt").exists()
