@@ -146,7 +146,6 @@ class Backend:
             return _compile_inductor(gm, example_inputs, aot_passes, self._inductor_config(graph_id))
         return _compile_eager(gm, example_inputs, aot_passes)
 
-
     def _inductor_config(self, graph_id: int) -> dict:
         config = dict(self.inductor_config)
         if self.recipe.check_finite and config.get("triton.cudagraphs"):
