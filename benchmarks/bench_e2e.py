@@ -3,8 +3,8 @@
 Each variant runs in its own process with a fresh Inductor cache, so the first-call time is a real
 compile. Measures: first step (compile + run), median step time, peak GPU memory in steady state.
 Before timing, checks that the GPU quantize matches the CPU reference bit for bit. A ``-cg`` variant
-compiles with ``mode="reduce-overhead"`` (the steps are recorded in CUDA graphs and replayed); ratios
-are given against ``bf16``, plain ``torch.compile``.
+compiles with ``mode="reduce-overhead"`` (the steps are recorded in CUDA graphs and replayed); a ``-dec``
+variant sets ``Recipe(decoded_operands=True)``. Ratios are given against ``bf16``, plain ``torch.compile``.
 
     python benchmarks/bench_e2e.py --out results.json            # d=1024 and d=2048, all variants
 """
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
-VARIANTS = ("bf16", "nvfp4", "naive", "bf16-cg", "nvfp4-cg")
+VARIANTS = ("bf16", "nvfp4", "naive", "bf16-cg", "nvfp4-cg", "nvfp4-dec", "nvfp4-dec-cg")
 
 
 def naive_fake_quant(x: torch.Tensor) -> torch.Tensor:
@@ -86,10 +86,12 @@ def training_step(variant: str, d_model: int, n_layer: int, batch: int):
     torch.manual_seed(0)
     graphs = variant.endswith("-cg")
     variant = variant.removesuffix("-cg")
+    decoded = variant.endswith("-dec")
+    variant = variant.removesuffix("-dec")
     mode = "reduce-overhead" if graphs else None
     model, cfg = build(d_model, n_layer, variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    backend = fp4compile.Backend(mode=mode) if variant == "nvfp4" else None
+    backend = fp4compile.Backend(mode=mode, decoded_operands=decoded) if variant == "nvfp4" else None
     compiled = torch.compile(model, backend=backend or "inductor", mode=None if backend else mode)
     x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), device="cuda")
 

@@ -19,12 +19,13 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_e2e import training_step  # noqa: E402
+from bench_e2e import VARIANTS, training_step  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--variant", choices=("bf16", "nvfp4"), default="nvfp4")
+    p.add_argument("--variant", choices=VARIANTS, default="nvfp4",
+                   help="as bench_e2e.py: -cg records the step in CUDA graphs, -dec decodes operands in the quantizer")
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--batch", type=int, default=16)
@@ -33,6 +34,8 @@ def main():
     p.add_argument("--trace", help="write a Chrome trace here")
     args = p.parse_args()
 
+    if args.variant == "naive":
+        p.error("the naive variant is measured by bench_e2e.py only")
     step, _, _ = training_step(args.variant, args.d_model, args.n_layer, args.batch)
     for _ in range(3):
         step()
