@@ -239,6 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             time.sleep(0.5)
     finally:  # interrupted (SIGTERM, Ctrl-C, an error): stop the runs still going; on SIGTERM each run
         # writes its checkpoint after its step in progress (Ctrl-C reaches the runs themselves first)
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up short
         for proc, _ in running.values():
             proc.terminate()
         for proc, _ in running.values():

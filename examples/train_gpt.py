@@ -320,6 +320,12 @@ def _args_record(args: argparse.Namespace) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Train one run; returns its log record (the JSON ``--out`` writes)."""
+    with contextlib.ExitStack() as cleanup:  # e.g. the SIGTERM handler, put back after the last write
+        return _train(argv, cleanup)
+
+
+def _train(argv: Optional[Sequence[str]], cleanup: contextlib.ExitStack) -> dict:
     process_start = time.perf_counter()
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -495,92 +501,89 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     step_s = 0.0
     # With a checkpoint to write, SIGTERM (a scheduler's or run_study's stop) ends the run like the time
     # limit: after the step in progress, with its checkpoint.
-    signalled, restore_signal = _catch_sigterm(args.checkpoint is not None)
-    try:
-        for step in range(start_step, args.steps):
-            if signalled:
+    signalled = _catch_sigterm(args.checkpoint is not None, cleanup)
+    for step in range(start_step, args.steps):
+        if signalled:
+            stopped = True
+            break
+        eval_due = bool(args.eval_every) and ((step + 1) % args.eval_every == 0 or step == args.steps - 1)
+        if args.time_limit is not None and step > start_step:
+            # Stop before a step (and its evaluation) that would end past the limit. A step is predicted
+            # by the steady average (the first step of a process includes compilation); an evaluation by
+            # the last one, or before any by one training step per validation batch.
+            per_step = steady_time / (steady_tokens / tokens_per_step) if steady_tokens else step_s
+            eval_guess = eval_s or per_step * len(val_set)
+            if time.perf_counter() - process_start + per_step + (eval_guess if eval_due else 0.0) > args.time_limit:
                 stopped = True
                 break
-            eval_due = bool(args.eval_every) and ((step + 1) % args.eval_every == 0 or step == args.steps - 1)
-            if args.time_limit is not None and step > start_step:
-                # Stop before a step (and its evaluation) that would end past the limit. A step is predicted
-                # by the steady average (the first step of a process includes compilation); an evaluation by
-                # the last one, or before any by one training step per validation batch.
-                per_step = steady_time / (steady_tokens / tokens_per_step) if steady_tokens else step_s
-                eval_guess = eval_s or per_step * len(val_set)
-                if time.perf_counter() - process_start + per_step + (eval_guess if eval_due else 0.0) > args.time_limit:
-                    stopped = True
-                    break
-            step_start = time.perf_counter()
-            if args.cuda_graphs:
-                torch.compiler.cudagraph_mark_step_begin()  # this step's replays may overwrite the last one's outputs
-            lr = lr_at(step, peak_lr, warmup, args.steps, args.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = 0.0
-            for _ in range(args.grad_accum):
-                x, y = next(train_stream)
-                with autocast():
-                    loss = compiled(x, y)[1] / args.grad_accum
-                loss.backward()
-                loss_sum += loss.detach()
-            if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if backend is not None:
-                backend.step()
-                if backend.high_precision and record["high_precision_from_step"] is None:
-                    record["high_precision_from_step"] = step + 1
-                    progress.message(f"step {step + 1}: every GEMM runs in high precision from the next step on")
-            loss_value = float(loss_sum)  # synchronizes with the device, so the step time below is real
-            step_s = time.perf_counter() - step_start
-            elapsed = elapsed_before + time.perf_counter() - start
+        step_start = time.perf_counter()
+        if args.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # this step's replays may overwrite the last one's outputs
+        lr = lr_at(step, peak_lr, warmup, args.steps, args.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = 0.0
+        for _ in range(args.grad_accum):
+            x, y = next(train_stream)
+            with autocast():
+                loss = compiled(x, y)[1] / args.grad_accum
+            loss.backward()
+            loss_sum += loss.detach()
+        if args.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if backend is not None:
+            backend.step()
+            if backend.high_precision and record["high_precision_from_step"] is None:
+                record["high_precision_from_step"] = step + 1
+                progress.message(f"step {step + 1}: every GEMM runs in high precision from the next step on")
+        loss_value = float(loss_sum)  # synchronizes with the device, so the step time below is real
+        step_s = time.perf_counter() - step_start
+        elapsed = elapsed_before + time.perf_counter() - start
 
-            if step == start_step:
-                segment["first_step_s"] = step_s  # includes compilation
-                if step == 0:
-                    first_step_s = step_s
-                if backend is not None and record["precision_table"] is None:
-                    record["precision_table"] = str(backend.report.precision_table())
-                    progress.message("precision plan:\n" + record["precision_table"])
-            else:
-                steady_tokens += tokens_per_step
-                steady_time += step_s
-            tok_per_s = tokens_per_step / step_s
-            train = record["train"]
-            train["step"].append(step)
-            train["loss"].append(loss_value)
-            train["lr"].append(lr)
-            train["tokens_per_s"].append(tok_per_s)
-            train["elapsed_s"].append(elapsed)
+        if step == start_step:
+            segment["first_step_s"] = step_s  # includes compilation
+            if step == 0:
+                first_step_s = step_s
+            if backend is not None and record["precision_table"] is None:
+                record["precision_table"] = str(backend.report.precision_table())
+                progress.message("precision plan:\n" + record["precision_table"])
+        else:
+            steady_tokens += tokens_per_step
+            steady_time += step_s
+        tok_per_s = tokens_per_step / step_s
+        train = record["train"]
+        train["step"].append(step)
+        train["loss"].append(loss_value)
+        train["lr"].append(lr)
+        train["tokens_per_s"].append(tok_per_s)
+        train["elapsed_s"].append(elapsed)
 
-            avg_tok_per_s = steady_tokens / steady_time if steady_time else tok_per_s
-            eta = (args.steps - step - 1) * tokens_per_step / avg_tok_per_s if steady_time else None
-            progress.update(step, loss_value, avg_tok_per_s, eta)
+        avg_tok_per_s = steady_tokens / steady_time if steady_time else tok_per_s
+        eta = (args.steps - step - 1) * tokens_per_step / avg_tok_per_s if steady_time else None
+        progress.update(step, loss_value, avg_tok_per_s, eta)
 
-            if not math.isfinite(loss_value):
-                diverged = True
-                progress.message(f"step {step + 1}: loss is {loss_value}; stopping")
-                break
-            last = step == args.steps - 1
-            segment["end_step"] = step + 1
-            segment["wall_s"] = time.perf_counter() - start
-            if eval_due:
-                eval_start = time.perf_counter()
-                val_loss = evaluate()
-                eval_s = time.perf_counter() - eval_start
-                record["val"]["step"].append(step)
-                record["val"]["loss"].append(val_loss)
-                progress.message(f"step {step + 1}: train loss {loss_value:.4f}, val loss {val_loss:.4f}")
-                if args.out and not last:
-                    _write_json(args.out, record)
-            if step + 1 in args.save_at:
-                path = checkpoint_path_at(args.checkpoint, step + 1)
-                _save_checkpoint(path, training_state(step + 1, elapsed_before + time.perf_counter() - start))
-                progress.message(f"step {step + 1}: wrote {path}")
-    finally:
-        restore_signal()
+        if not math.isfinite(loss_value):
+            diverged = True
+            progress.message(f"step {step + 1}: loss is {loss_value}; stopping")
+            break
+        last = step == args.steps - 1
+        segment["end_step"] = step + 1
+        segment["wall_s"] = time.perf_counter() - start
+        if eval_due:
+            eval_start = time.perf_counter()
+            val_loss = evaluate()
+            eval_s = time.perf_counter() - eval_start
+            record["val"]["step"].append(step)
+            record["val"]["loss"].append(val_loss)
+            progress.message(f"step {step + 1}: train loss {loss_value:.4f}, val loss {val_loss:.4f}")
+            if args.out and not last:
+                _write_json(args.out, record)
+        if step + 1 in args.save_at:
+            path = checkpoint_path_at(args.checkpoint, step + 1)
+            _save_checkpoint(path, training_state(step + 1, elapsed_before + time.perf_counter() - start))
+            progress.message(f"step {step + 1}: wrote {path}")
     progress.close()
 
     wall = elapsed_before + time.perf_counter() - start
@@ -614,16 +617,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     return record
 
 
-def _catch_sigterm(enabled: bool):
-    """([] that receives "SIGTERM" when the signal arrives, a callable restoring the previous handler)."""
+def _catch_sigterm(enabled: bool, cleanup: contextlib.ExitStack) -> list:
+    """A list that receives "SIGTERM" when the signal arrives; ``cleanup`` puts the previous handler back."""
     received: list[str] = []
     if not enabled:
-        return received, lambda: None
+        return received
     try:
         previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append("SIGTERM"))
     except ValueError:  # not the main thread: signals cannot be caught here
-        return received, lambda: None
-    return received, lambda: signal.signal(signal.SIGTERM, previous)
+        return received
+    cleanup.callback(signal.signal, signal.SIGTERM, previous)
+    return received
 
 
 def _make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device):

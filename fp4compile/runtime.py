@@ -53,6 +53,21 @@ def _signed64(value: int) -> int:
     return value - (1 << 64) if value >= (1 << 63) else value
 
 
+def _check_not_recording(what: str) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"fp4compile: {what} while a CUDA graph is being recorded. The SR stream's step is host state "
+            "that advances between replays: record with torch.compile(..., mode='reduce-overhead') (the "
+            "backend advances the step outside its graphs), not by capturing the whole training step."
+        )
+
+
+def _check_state_change() -> None:
+    """(lock held) The SR state may change: not while a CUDA graph records, once devices hold its base."""
+    if _device_bases:
+        _check_not_recording("the stochastic-rounding step would change")
+
+
 def _update_device_bases() -> None:
     """Rewrite the device copies of the base (call with the lock held): one small fill per device."""
     if _device_bases:
@@ -64,6 +79,7 @@ def _update_device_bases() -> None:
 def manual_seed(seed: int) -> None:
     """Reset the SR stream: base seed ``seed``, step 0."""
     with _lock:
+        _check_state_change()
         _state["seed"] = int(seed)
         _state["step"] = 0
         _update_device_bases()
@@ -77,6 +93,7 @@ def get_rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     with _lock:
+        _check_state_change()
         _state["seed"] = int(state["seed"])
         _state["step"] = int(state["step"])
         _update_device_bases()
@@ -85,6 +102,7 @@ def set_rng_state(state: dict) -> None:
 def advance() -> None:
     """Called on every call of a compiled graph with gradients enabled, before its forward runs."""
     with _lock:
+        _check_state_change()
         _state["step"] += 1
         _update_device_bases()
 
@@ -127,7 +145,10 @@ def device_base(device) -> torch.Tensor:
     with _lock:
         tensor = _device_bases.get(key)
         if tensor is None:
-            tensor = torch.full((1,), _signed64(_base()), dtype=torch.int64, device=key)
+            _check_not_recording(f"the SR base for {key} would be allocated (call runtime.device_base first)")
+            # A normal tensor even under inference_mode: it is updated in place on every training step.
+            with torch.inference_mode(False):
+                tensor = torch.full((1,), _signed64(_base()), dtype=torch.int64, device=key)
             _device_bases[key] = tensor
     return tensor
 
@@ -138,7 +159,8 @@ def device_seed(node_constant: int, device) -> DeviceSeed:
 
 
 # Fast quantize kernels by device type: each takes (x, fmt, block) and returns a callable
-# (x, rounding, seed) -> (data, scales, amax), or None where it cannot take the call.
+# (x, rounding, seed) -> (data, scales, amax), or None where it cannot take the call. ``seed`` is the
+# SR seed as an int, or for CUDA tensors a ``DeviceSeed`` (the kernel computes the seed on the device).
 _quantize_providers: list[Callable] = []
 
 
@@ -161,7 +183,7 @@ def quantize_kernel(x: torch.Tensor, fmt: str, block: str) -> Optional[Callable]
 
 # Fused RHT + quantize kernels (the weight-gradient operands): each takes (x, size, fmt, block) and
 # returns a callable (x, rounding, seed) -> (data, scales, amax) equal to quantizing ``formats.rht(x,
-# size)``, or None where it cannot take the call.
+# size)``, or None where it cannot take the call; ``seed`` as for the quantize providers.
 _rht_quantize_providers: list[Callable] = []
 
 

@@ -323,9 +323,14 @@ def test_train_gpt_sigterm_writes_the_checkpoint(tmp_path, capsys, monkeypatch):
         return lr_at(step, *args)
 
     monkeypatch.setattr(train_gpt, "lr_at", lr_then_signal)
-    before = signal.getsignal(signal.SIGTERM)
-    stopped = train_gpt.main([*base, "--checkpoint", str(ckpt)])
-    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+    caught_here = []  # a signal train_gpt failed to catch lands here instead of ending pytest
+    guard = lambda signum, frame: caught_here.append(signum)  # noqa: E731
+    before = signal.signal(signal.SIGTERM, guard)
+    try:
+        stopped = train_gpt.main([*base, "--checkpoint", str(ckpt)])
+        assert signal.getsignal(signal.SIGTERM) is guard and not caught_here  # handled, handler put back
+    finally:
+        signal.signal(signal.SIGTERM, before)
     assert stopped["summary"] is None and len(stopped["train"]["step"]) == 2 and ckpt.exists()
     assert "stopped after step 2 of 3 by SIGTERM" in capsys.readouterr().out
     monkeypatch.setattr(train_gpt, "lr_at", lr_at)

@@ -717,6 +717,37 @@ def test_device_base_follows_the_rng_state(sr_state):
     assert int(base) == expected() and runtime.get_rng_state() == {"seed": 9, "step": 0}
 
 
+def test_device_base_made_under_inference_mode_still_advances(sr_state, monkeypatch):
+    """An evaluation under inference_mode may be the first to ask for the base: it must stay an ordinary
+    tensor, which training steps then update in place."""
+    runtime = sr_state
+    monkeypatch.setattr(runtime, "_device_bases", {})
+    with torch.inference_mode():
+        base = runtime.device_base(DEVICE)
+    assert not base.is_inference()
+    runtime.advance()
+    runtime.manual_seed(4)
+    state = runtime.get_rng_state()
+    assert int(base) == runtime._signed64(runtime._mix64(state["seed"] ^ runtime._mix64(state["step"])))
+
+
+def test_sr_state_refuses_to_change_while_a_cuda_graph_records(sr_state, monkeypatch):
+    """Capturing the whole training step by hand would freeze the step's base into the graph: the state
+    change (and a first allocation of a base) raises instead, and the state stays as it was."""
+    runtime = sr_state
+    runtime.device_base(DEVICE)
+    before = runtime.get_rng_state()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for change in (runtime.advance, lambda: runtime.manual_seed(1), lambda: runtime.set_rng_state(before)):
+        with pytest.raises(RuntimeError, match="mode='reduce-overhead'"):
+            change()
+    assert runtime.get_rng_state() == before
+    monkeypatch.setattr(runtime, "_device_bases", {})
+    with pytest.raises(RuntimeError, match="call runtime.device_base first"):
+        runtime.device_base("cpu")
+
+
 def test_device_seed_errors_and_rne(sr_state):
     runtime = sr_state
     x = sample((16, 32), torch.bfloat16, seed=41).to(DEVICE)
