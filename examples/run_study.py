@@ -110,10 +110,14 @@ def fork_checkpoint(name: str, args) -> Path:
     return checkpoint_path_at(checkpoint(args.out_dir, fork_parent(name, args)), switch_step(args))
 
 
+def config_flags(name: str, args) -> list[str]:
+    """The train_gpt.py flags of configuration ``name`` in this study (its switch step filled in)."""
+    return [f.replace("{switch}", str(switch_step(args))) for f in CONFIGS[name]]
+
+
 def command(name: str, args, time_limit: Optional[float] = None) -> list[str]:
     """The train_gpt.py command line of run ``name``: resumed from its checkpoint when it has one."""
-    flags = [f.replace("{switch}", str(switch_step(args))) for f in CONFIGS[name]]
-    cmd = [sys.executable, str(HERE / "train_gpt.py"), *args.train_args, *flags, "--name", name,
+    cmd = [sys.executable, str(HERE / "train_gpt.py"), *args.train_args, *config_flags(name, args), "--name", name,
            "--out", str(args.out_dir / f"{name}.json"), "--checkpoint", str(checkpoint(args.out_dir, name))]
     if any(fork_parent(child, args) == name for child in FORKS):
         cmd += ["--save-at", str(switch_step(args))]
@@ -141,8 +145,7 @@ def check_finished_runs(args, names: list[str]) -> None:
 
     for name in names:
         saved = json.loads((args.out_dir / f"{name}.json").read_text())["args"]
-        flags = [f.replace("{switch}", str(switch_step(args))) for f in CONFIGS[name]]
-        wanted = train_args([*args.train_args, *flags, "--name", name])
+        wanted = train_args([*args.train_args, *config_flags(name, args), "--name", name])
         diffs = run_differences(wanted, saved, what="finished run")
         if wanted.bf16_switch_at != saved.get("bf16_switch_at"):
             diffs.append(f"--bf16-switch-at {wanted.bf16_switch_at!r} (finished run: {saved.get('bf16_switch_at')!r})")

@@ -41,7 +41,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import formats, ops, runtime
+from . import formats, ops
 
 TENSORS = ("X", "W", "dY")
 
@@ -140,8 +140,7 @@ def quantize_sharded(
     amax = all_reduce_amax(x, group)
     stream = ops._host_stream(x, rounding, seed, "fp4.quantize_sharded")
     q = formats.quantize(x, fmt, block, rounding, seed=stream, amax=amax)
-    if check and not bool(torch.isfinite(q.amax)):
-        runtime.raise_non_finite(check, x)
+    ops._check_finite(check, q.amax, x)
     return q.data.view(torch.uint8), q.scales.view(torch.uint8), q.amax
 
 

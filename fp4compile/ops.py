@@ -110,9 +110,16 @@ def quantize(
     operand ("layer role operand"): non-finite input then raises ``FloatingPointError``.
     """
     data, scales, amax = _quantize(x, fmt, block, rounding, seed)
-    if check and not bool(torch.isfinite(amax)):
-        runtime.raise_non_finite(check, x)
+    _check_finite(check, amax, x)
     return data, scales, amax
+
+
+def _check_finite(check: str, amax: torch.Tensor, x: torch.Tensor, rht_size: int = 0) -> None:
+    """With a ``check`` label, raise the non-finite error when the quantized operand's amax is not
+    finite; it counts in ``formats.rht(x, rht_size)`` for the weight-gradient operands (a finite x can
+    overflow in the RHT)."""
+    if check and not bool(torch.isfinite(amax)):
+        runtime.raise_non_finite(check, formats.rht(x, rht_size) if rht_size else x)
 
 
 @quantize.register_fake
@@ -142,9 +149,7 @@ def rht_quantize(
         data, scales, amax = kernel(x, rounding, _kernel_stream(x, rounding, seed))
     else:
         data, scales, amax = _quantize(formats.rht(x, size), fmt, block, rounding, seed)
-    if check and not bool(torch.isfinite(amax)):
-        # Count in the transformed operand, as the unfused ops do: a finite x can overflow in the RHT.
-        runtime.raise_non_finite(check, formats.rht(x, size))
+    _check_finite(check, amax, x, size)
     return data, scales, amax
 
 
@@ -158,9 +163,10 @@ def _(x, size, fmt, block, rounding, seed, check):
 # ---------------------------------------------------------------------------------------------
 
 
-def _decoded(data, scales, amax, fmt: str) -> torch.Tensor:
-    """value(code) * block scale in bfloat16 (exact: at most 6 significant bits), what the emulation reads."""
-    return block_decode(data, scales, amax, fmt).to(torch.bfloat16)
+def _decoded(data, scales, amax, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value(code) * block scale in bfloat16 (exact: at most 6 significant bits), amax) of a packed
+    operand: what the emulation reads."""
+    return block_decode(data, scales, amax, fmt).to(torch.bfloat16), amax
 
 
 @torch.library.custom_op("fp4::fake_quantize", mutates_args=())
@@ -172,13 +178,10 @@ def fake_quantize(
     call (on CUDA, NVFP4: one Triton pass after the amax pass) the packed codes are never written and
     no separate decode pass runs. Seeds and the ``check`` label as ``fp4.quantize``."""
     kernel = runtime.fake_quantize_kernel(x, fmt, block)
-    if kernel is not None:
-        decoded, amax = kernel(x, rounding, _kernel_stream(x, rounding, seed))
-    else:
-        data, scales, amax = _quantize(x, fmt, block, rounding, seed)
-        decoded = _decoded(data, scales, amax, fmt)
-    if check and not bool(torch.isfinite(amax)):
-        runtime.raise_non_finite(check, x)
+    if kernel is None:
+        return _decoded(*torch.ops.fp4.quantize.default(x, fmt, block, rounding, seed, check), fmt)
+    decoded, amax = kernel(x, rounding, _kernel_stream(x, rounding, seed))
+    _check_finite(check, amax, x)
     return decoded, amax
 
 
@@ -196,11 +199,9 @@ def fake_rht_quantize(
     the decoded values directly."""
     kernel = runtime.fake_rht_quantize_kernel(x, size, fmt, block)
     if kernel is None:
-        data, scales, amax = torch.ops.fp4.rht_quantize.default(x, size, fmt, block, rounding, seed, check)
-        return _decoded(data, scales, amax, fmt), amax
+        return _decoded(*torch.ops.fp4.rht_quantize.default(x, size, fmt, block, rounding, seed, check), fmt)
     decoded, amax = kernel(x, rounding, _kernel_stream(x, rounding, seed))
-    if check and not bool(torch.isfinite(amax)):
-        runtime.raise_non_finite(check, formats.rht(x, size))  # counted in the transformed operand
+    _check_finite(check, amax, x, size)
     return decoded, amax
 
 
@@ -254,7 +255,14 @@ def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_
     """Emulated block-scaled FP4 GEMM: (block-decoded A) @ (block-decoded B).T with fp32 accumulation,
     then alpha = amax_A * amax_B / 2688**2 (NVFP4) applied once, as a Blackwell epilogue does.
     Batched operands [..., M, K/2] and [..., N, K/2] (activation matmuls) multiply per leading index."""
-    acc = block_decode(a, a_scales, a_amax, fmt) @ block_decode(b, b_scales, b_amax, fmt).transpose(-2, -1)
+    return _decoded_product(
+        block_decode(a, a_scales, a_amax, fmt), a_amax, block_decode(b, b_scales, b_amax, fmt), b_amax, fmt, out_dtype
+    )
+
+
+def _decoded_product(a_bd, a_amax, b_bd, b_amax, fmt: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """A_bd @ B_bd.T of block-decoded operands in fp32, then the global decode scales (NVFP4), cast."""
+    acc = a_bd.float() @ b_bd.float().transpose(-2, -1)
     if fmt == "nvfp4":
         acc = acc * formats.global_decode_scale(a_amax) * formats.global_decode_scale(b_amax)
     return acc.to(out_dtype)
@@ -297,10 +305,7 @@ def emulated_mm(
 
         if triton_kernels.available()[0]:
             return triton_kernels.emulated_scaled_mm(a, a_amax, b, b_amax, out_dtype)
-    acc = a.float() @ b.float().transpose(-2, -1)
-    if fmt == "nvfp4":
-        acc = acc * formats.global_decode_scale(a_amax) * formats.global_decode_scale(b_amax)
-    return acc.to(out_dtype)
+    return _decoded_product(a, a_amax, b, b_amax, fmt, out_dtype)
 
 
 @emulated_mm.register_fake
