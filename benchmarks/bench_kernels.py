@@ -33,8 +33,19 @@ FLT_MAX = torch.finfo(torch.float32).max
 # Launch configurations tried per kernel (the first is the module's default).
 SWEEPS = {
     "quantize_rows": [dict(BLOCK_M=32, BLOCK_K=256, num_warps=8), dict(BLOCK_M=64, BLOCK_K=256, num_warps=8)],
-    "rht_quantize": [dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=128, BLOCK_K=64, num_warps=4)],
-    "rht_quantize_mx": [dict(BLOCK_M=32, BLOCK_K=128, num_warps=4), dict(BLOCK_M=64, BLOCK_K=64, num_warps=4)],
+    "rht_amax": [
+        dict(BLOCK_M=128, BLOCK_K=64, ITERS=4, num_warps=4), dict(BLOCK_M=64, BLOCK_K=128, ITERS=4, num_warps=4),
+        dict(BLOCK_M=128, BLOCK_K=128, ITERS=2, num_warps=8),
+    ],
+    "rht_quantize": [
+        dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=128, BLOCK_K=64, num_warps=4),
+        dict(BLOCK_M=64, BLOCK_K=128, num_warps=4), dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
+        dict(BLOCK_M=128, BLOCK_K=128, num_warps=8),
+    ],
+    "rht_quantize_mx": [
+        dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
+        dict(BLOCK_M=64, BLOCK_K=128, num_warps=4),
+    ],
 }
 
 

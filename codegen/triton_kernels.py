@@ -103,7 +103,7 @@ CONFIGS = {
     "rht_quantize": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
     "decode": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
     "quantize_mx": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
-    "rht_quantize_mx": dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
+    "rht_quantize_mx": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
     "epilogue": dict(BLOCK=4096, num_warps=8),
 }
 
@@ -323,10 +323,9 @@ if triton is not None:
         return lo, hi
 
     @_jit()
-    def _store_scales(scales_ptr, sf, rows, cols, n_cols, mask, SWIZZLE: tl.constexpr):
-        """Store [rows, cols] scale codes row-major, or at their 128x4-tile offsets (formats.swizzled_offset)."""
-        r = rows[:, None]
-        c = cols[None, :]
+    def _store_scales(scales_ptr, sf, r, c, n_cols, mask, SWIZZLE: tl.constexpr):
+        """Store scale codes sf at (row r, column c) (broadcastable with sf) of a row-major [rows, n_cols]
+        matrix, or at their 128x4-tile offsets (formats.swizzled_offset)."""
         if SWIZZLE:
             offset = (((r // 128) * ((n_cols + 3) // 4) + c // 4) * 32 + r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
         else:
@@ -365,12 +364,64 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @_jit()
+    def _half_block_word(xh, enc, keep, index, seed_lo, seed_hi, sf, bd_ptr, mask,
+                         SR: tl.constexpr, FAKE: tl.constexpr):
+        """Codes of [G, 8] half blocks (x * enc, 0 where the block is not ``keep``), one uint32 per half
+        block with element j in nibble j; with FAKE, stores value * sf as bf16 at ``index`` instead."""
+        v = xh * enc[:, None]
+        if SR:
+            code, value = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
+        else:
+            code, value = _e2m1_rne(v)
+        if FAKE:
+            tl.store(bd_ptr + index, (value * sf[:, None]).to(bd_ptr.dtype.element_ty), mask=mask[:, None])
+        code = tl.where(keep[:, None], code, 0)
+        return tl.sum(code << (tl.arange(0, 8) * 4)[None, :], axis=1)  # disjoint nibbles: the sum is an OR
+
+    @_jit()
+    def _quantize_blocks_tile(
+        x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
+        SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """1x16 blocks of a [BLOCK_M, BLOCK_K] tile, held as two [blocks, 8] tensors (the first and the
+        second half of every block, two 16-byte loads), so each thread holds whole blocks: the block
+        maximum, scale and encode factor are computed once per block and no data moves between threads."""
+        NB: tl.constexpr = BLOCK_K // 16
+        g = tl.arange(0, BLOCK_M * NB)
+        rows = pid_m * BLOCK_M + g // NB
+        kb = pid_k * NB + g % NB
+        ok = (rows < M) & (kb < K // 16)
+        e8 = tl.arange(0, 8)[None, :]
+        start = rows.to(tl.int64) * stride_xm + kb * 16
+        lo = tl.load(x_ptr + start[:, None] + e8, mask=ok[:, None], other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + (start + 8)[:, None] + e8, mask=ok[:, None], other=0.0).to(tl.float32)
+        bits = tl.max(tl.maximum(_abs_bits(lo), _abs_bits(hi)), axis=1)
+        s_enc, s_dec = _encode_scale(amax)
+        sf_code, sf, enc = _block_scale(bits.to(tl.float32, bitcast=True), s_enc, s_dec)
+        # NaN has no E2M1 code: blocks whose encode factor is NaN (the only ones where v can be NaN) get 0.
+        keep = enc == enc
+        flat = rows.to(tl.int64) * K + kb * 16  # flat index of each block's first element
+        w_lo = _half_block_word(lo, enc, keep, flat[:, None] + e8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
+        w_hi = _half_block_word(hi, enc, keep, (flat + 8)[:, None] + e8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
+        if not FAKE:
+            words = data_ptr.to(tl.pointer_type(tl.uint32))
+            tl.store(words + flat // 8, w_lo, mask=ok)
+            tl.store(words + flat // 8 + 1, w_hi, mask=ok)
+            _store_scales(scales_ptr, sf_code, rows, kb, K // 16, ok, SWIZZLE)
+        return tl.max(bits, axis=0)
+
+    @_jit()
     def _quantize_rows_tile(
         x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
         TILE_ROWS: tl.constexpr, SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """Quantize a [BLOCK_M, BLOCK_K] tile; returns the bits of its abs max."""
+        if TILE_ROWS == 1:
+            return _quantize_blocks_tile(
+                x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
+                SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+            )
         NB: tl.constexpr = BLOCK_K // 16
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -402,7 +453,7 @@ if triton is not None:
             )
             scols = pid_k * NB + tl.arange(0, NB)
             smask = row_ok[:, None] & (scols < K // 16)[None, :]
-            _store_scales(scales_ptr, sf_rows, rows, scols, K // 16, smask, SWIZZLE)
+            _store_scales(scales_ptr, sf_rows, rows[:, None], scols[None, :], K // 16, smask, SWIZZLE)
         return tl.max(tl.max(bamax.to(tl.int32, bitcast=True), axis=1), axis=0)
 
     @_jit(do_not_specialize=("seed_lo", "seed_hi"))
@@ -495,73 +546,111 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
     # Weight-gradient operand: quantize(RHT(x^T)) with 16-token RHT chunks = 16-token blocks
     # ------------------------------------------------------------------------------------------
+    #
+    # A tile of BLOCK_M tokens x BLOCK_K columns is held as 16 [BLOCK_M/16, BLOCK_K] tensors x_i, the
+    # i-th token of every 16-token chunk (16 coalesced loads), so the butterfly, the block maxima over the
+    # 16 outputs and the packing of the transposed codes are all elementwise: no data moves between
+    # threads.
 
     @_jit()
-    def _halves(t):
-        """(t[..., 0::2], t[..., 1::2]) of a [R, C, 2n] tensor, as [R, C, n] tensors."""
-        return tl.split(tl.reshape(t, (t.shape[0], t.shape[1], t.shape[2] // 2, 2)))
+    def _rht_load(x_ptr, M, K, stride_xm, chunks, cols, i: tl.constexpr):
+        """Token 16 c + i of every chunk c, [chunks, cols] as fp32."""
+        tokens = chunks * 16 + i
+        mask = (tokens < M)[:, None] & (cols < K)[None, :]
+        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        return x.to(tl.float32)
 
     @_jit()
-    def _rht_step(acc, xi, i: tl.constexpr):
-        """acc[b, j, k] = fma(x_i[b, k], H[i, j], acc[b, j, k]) with H[i, j] = s_i * (-1)**popcount(i & j) / 4."""
-        j = tl.arange(0, 16)
-        p = i & j
-        p = p ^ (p >> 2)
-        p = (p ^ (p >> 1)) & 1
-        h = tl.where((p ^ ((_RHT_NEG >> i) & 1)) == 1, -0.25, 0.25)
-        xb = tl.reshape(xi, (acc.shape[0], 1, acc.shape[2]))
-        return tl.fma(tl.broadcast_to(xb, acc.shape), tl.broadcast_to(h[None, :, None], acc.shape), acc)
+    def _rht_in(xi, i: tl.constexpr):
+        """z_i = x_i * (s_i / 4): the sign vector and the 1/4 (exact: a power of two)."""
+        return xi * (0.25 - 0.5 * ((_RHT_NEG >> i) & 1))
+
+    @_jit()
+    def _bfly(a, b):
+        return a + b, a - b
+
+    @_jit()
+    def _amax16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+        """Elementwise max of the |a_i| bits (int32; NaN sorts above Inf)."""
+        m0 = tl.maximum(tl.maximum(_abs_bits(a0), _abs_bits(a1)), tl.maximum(_abs_bits(a2), _abs_bits(a3)))
+        m1 = tl.maximum(tl.maximum(_abs_bits(a4), _abs_bits(a5)), tl.maximum(_abs_bits(a6), _abs_bits(a7)))
+        m2 = tl.maximum(tl.maximum(_abs_bits(a8), _abs_bits(a9)), tl.maximum(_abs_bits(a10), _abs_bits(a11)))
+        m3 = tl.maximum(tl.maximum(_abs_bits(a12), _abs_bits(a13)), tl.maximum(_abs_bits(a14), _abs_bits(a15)))
+        return tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
 
     @_jit()
     def _rht_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         """RHT along tokens of the [BLOCK_M tokens, BLOCK_K] tile at (pid_m, pid_k).
 
-        Returns (y [BLOCK_M/16, 16, BLOCK_K] fp32, where y[b, j, k] = RHT(x^T)[k, 16 b + j] rounded to
-        x's dtype as ``formats.rht`` returns it; bits of the tile's abs max of x; chunk indices; column indices).
+        Returns (y_0 .. y_15, bits of the tile's abs max of x, chunk indices, column indices), where
+        y_j[c, k] = RHT(x^T)[k, 16 c + j], [BLOCK_M/16, BLOCK_K] fp32 holding values rounded to x's dtype,
+        as ``formats.rht`` returns it.
         """
-        tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = (tokens < M)[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        x_amax = tl.max(tl.max(_abs_bits(x), axis=1), axis=0)
-        # [chunk, column, i]: split the 16 tokens of each chunk into 16 [chunk, column, 1] tensors x_i.
-        xt = tl.permute(tl.reshape(x, (BLOCK_M // 16, 16, BLOCK_K)), (0, 2, 1))
-        even, odd = _halves(xt)
-        i0_4, i2_4 = _halves(even)  # i = 4q and 4q + 2
-        i1_4, i3_4 = _halves(odd)  # i = 4q + 1 and 4q + 3
-        i0_8, i4_8 = _halves(i0_4)
-        i2_8, i6_8 = _halves(i2_4)
-        i1_8, i5_8 = _halves(i1_4)
-        i3_8, i7_8 = _halves(i3_4)
-        x0, x8 = _halves(i0_8)
-        x4, x12 = _halves(i4_8)
-        x2, x10 = _halves(i2_8)
-        x6, x14 = _halves(i6_8)
-        x1, x9 = _halves(i1_8)
-        x5, x13 = _halves(i5_8)
-        x3, x11 = _halves(i3_8)
-        x7, x15 = _halves(i7_8)
-        # Fused multiply-adds in the order i = 0..15, the summation order of formats.rht.
-        acc = tl.zeros((BLOCK_M // 16, 16, BLOCK_K), tl.float32)
-        acc = _rht_step(acc, x0, 0)
-        acc = _rht_step(acc, x1, 1)
-        acc = _rht_step(acc, x2, 2)
-        acc = _rht_step(acc, x3, 3)
-        acc = _rht_step(acc, x4, 4)
-        acc = _rht_step(acc, x5, 5)
-        acc = _rht_step(acc, x6, 6)
-        acc = _rht_step(acc, x7, 7)
-        acc = _rht_step(acc, x8, 8)
-        acc = _rht_step(acc, x9, 9)
-        acc = _rht_step(acc, x10, 10)
-        acc = _rht_step(acc, x11, 11)
-        acc = _rht_step(acc, x12, 12)
-        acc = _rht_step(acc, x13, 13)
-        acc = _rht_step(acc, x14, 14)
-        acc = _rht_step(acc, x15, 15)
         chunks = pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
-        return _round_to(acc, x_ptr.dtype.element_ty), x_amax, chunks, cols
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        x0 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 0)
+        x1 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 1)
+        x2 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 2)
+        x3 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 3)
+        x4 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 4)
+        x5 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 5)
+        x6 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 6)
+        x7 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 7)
+        x8 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 8)
+        x9 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 9)
+        x10 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 10)
+        x11 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 11)
+        x12 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 12)
+        x13 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 13)
+        x14 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 14)
+        x15 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 15)
+        xm = _amax16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
+        x_amax = tl.max(tl.max(xm, axis=1), axis=0)
+        # The butterfly of formats.rht: z_i = x_i * s_i / 4, then strides 8, 4, 2, 1.
+        x0, x1, x2, x3 = _rht_in(x0, 0), _rht_in(x1, 1), _rht_in(x2, 2), _rht_in(x3, 3)
+        x4, x5, x6, x7 = _rht_in(x4, 4), _rht_in(x5, 5), _rht_in(x6, 6), _rht_in(x7, 7)
+        x8, x9, x10, x11 = _rht_in(x8, 8), _rht_in(x9, 9), _rht_in(x10, 10), _rht_in(x11, 11)
+        x12, x13, x14, x15 = _rht_in(x12, 12), _rht_in(x13, 13), _rht_in(x14, 14), _rht_in(x15, 15)
+        x0, x8 = _bfly(x0, x8)
+        x1, x9 = _bfly(x1, x9)
+        x2, x10 = _bfly(x2, x10)
+        x3, x11 = _bfly(x3, x11)
+        x4, x12 = _bfly(x4, x12)
+        x5, x13 = _bfly(x5, x13)
+        x6, x14 = _bfly(x6, x14)
+        x7, x15 = _bfly(x7, x15)
+        x0, x4 = _bfly(x0, x4)
+        x1, x5 = _bfly(x1, x5)
+        x2, x6 = _bfly(x2, x6)
+        x3, x7 = _bfly(x3, x7)
+        x8, x12 = _bfly(x8, x12)
+        x9, x13 = _bfly(x9, x13)
+        x10, x14 = _bfly(x10, x14)
+        x11, x15 = _bfly(x11, x15)
+        x0, x2 = _bfly(x0, x2)
+        x1, x3 = _bfly(x1, x3)
+        x4, x6 = _bfly(x4, x6)
+        x5, x7 = _bfly(x5, x7)
+        x8, x10 = _bfly(x8, x10)
+        x9, x11 = _bfly(x9, x11)
+        x12, x14 = _bfly(x12, x14)
+        x13, x15 = _bfly(x13, x15)
+        x0, x1 = _bfly(x0, x1)
+        x2, x3 = _bfly(x2, x3)
+        x4, x5 = _bfly(x4, x5)
+        x6, x7 = _bfly(x6, x7)
+        x8, x9 = _bfly(x8, x9)
+        x10, x11 = _bfly(x10, x11)
+        x12, x13 = _bfly(x12, x13)
+        x14, x15 = _bfly(x14, x15)
+        dt: tl.constexpr = x_ptr.dtype.element_ty
+        return (
+            _round_to(x0, dt), _round_to(x1, dt), _round_to(x2, dt), _round_to(x3, dt),
+            _round_to(x4, dt), _round_to(x5, dt), _round_to(x6, dt), _round_to(x7, dt),
+            _round_to(x8, dt), _round_to(x9, dt), _round_to(x10, dt), _round_to(x11, dt),
+            _round_to(x12, dt), _round_to(x13, dt), _round_to(x14, dt), _round_to(x15, dt),
+            x_amax, chunks, cols,
+        )
 
     @_jit()
     def _rht_amax_kernel(
@@ -573,13 +662,65 @@ if triton is not None:
         x_amax = tl.zeros((), tl.int32)
         y_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.int32)
         for i in range(ITERS):
-            y, tile_x_amax, chunks, cols = _rht_tile(
+            y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, tile_x_amax, _, _ = _rht_tile(
                 x_ptr, M, K, stride_xm, pid_m, tl.program_id(1) * ITERS + i, BLOCK_M, BLOCK_K
             )
             x_amax = tl.maximum(x_amax, tile_x_amax)
-            y_acc = tl.maximum(y_acc, tl.max(_abs_bits(y), axis=1))
+            ym = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
+            y_acc = tl.maximum(y_acc, ym)
         tl.atomic_max(amax_x_ptr, x_amax)
         tl.atomic_max(amax_y_ptr, tl.max(tl.max(y_acc, axis=1), axis=0))
+
+    @_jit()
+    def _rht_code(y, factor, keep, index, seed_lo, seed_hi, sf, bd_ptr, bd_offset, mask,
+                  SR: tl.constexpr, FAKE: tl.constexpr, MX: tl.constexpr):
+        """4-bit code (uint32) of v = y * factor, 0 where not ``keep`` (with MX: where v is NaN, as the
+        reference's comparisons give); with FAKE, stores value * sf as bf16 instead."""
+        v = y * factor
+        if MX:
+            keep = v == v
+        if SR:
+            code, value = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
+        else:
+            code, value = _e2m1_rne(v)
+        if FAKE:
+            tl.store(bd_ptr + bd_offset, (value * sf).to(bd_ptr.dtype.element_ty), mask=mask)
+        return tl.where(keep, code, 0)
+
+    @_jit()
+    def _pack8(c0, c1, c2, c3, c4, c5, c6, c7):
+        """Eight 4-bit codes as one uint32, the first in the lowest nibble (little-endian bytes)."""
+        lo = c0 | (c1 << 4) | (c2 << 8) | (c3 << 12)
+        return lo | (c4 << 16) | (c5 << 20) | (c6 << 24) | (c7 << 28)
+
+    @_jit()
+    def _rht_store_codes(data_ptr, words_per_row, chunks, cols, mask, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9,
+                         y10, y11, y12, y13, y14, y15, factor, keep, seed_lo, seed_hi, sf, bd_ptr, M,
+                         SR: tl.constexpr, FAKE: tl.constexpr, MX: tl.constexpr):
+        """Codes of the 16 outputs of each chunk: two uint32 words at row ``col`` of the [K, M/2] output
+        (or, with FAKE, the block-decoded values at row ``col`` of the [K, M] one)."""
+        base = cols.to(tl.int64)[None, :] * M + (chunks.to(tl.int64) * 16)[:, None]  # flat index of (col, 16 c)
+        c0 = _rht_code(y0, factor, keep, base + 0, seed_lo, seed_hi, sf, bd_ptr, base + 0, mask, SR, FAKE, MX)
+        c1 = _rht_code(y1, factor, keep, base + 1, seed_lo, seed_hi, sf, bd_ptr, base + 1, mask, SR, FAKE, MX)
+        c2 = _rht_code(y2, factor, keep, base + 2, seed_lo, seed_hi, sf, bd_ptr, base + 2, mask, SR, FAKE, MX)
+        c3 = _rht_code(y3, factor, keep, base + 3, seed_lo, seed_hi, sf, bd_ptr, base + 3, mask, SR, FAKE, MX)
+        c4 = _rht_code(y4, factor, keep, base + 4, seed_lo, seed_hi, sf, bd_ptr, base + 4, mask, SR, FAKE, MX)
+        c5 = _rht_code(y5, factor, keep, base + 5, seed_lo, seed_hi, sf, bd_ptr, base + 5, mask, SR, FAKE, MX)
+        c6 = _rht_code(y6, factor, keep, base + 6, seed_lo, seed_hi, sf, bd_ptr, base + 6, mask, SR, FAKE, MX)
+        c7 = _rht_code(y7, factor, keep, base + 7, seed_lo, seed_hi, sf, bd_ptr, base + 7, mask, SR, FAKE, MX)
+        c8 = _rht_code(y8, factor, keep, base + 8, seed_lo, seed_hi, sf, bd_ptr, base + 8, mask, SR, FAKE, MX)
+        c9 = _rht_code(y9, factor, keep, base + 9, seed_lo, seed_hi, sf, bd_ptr, base + 9, mask, SR, FAKE, MX)
+        c10 = _rht_code(y10, factor, keep, base + 10, seed_lo, seed_hi, sf, bd_ptr, base + 10, mask, SR, FAKE, MX)
+        c11 = _rht_code(y11, factor, keep, base + 11, seed_lo, seed_hi, sf, bd_ptr, base + 11, mask, SR, FAKE, MX)
+        c12 = _rht_code(y12, factor, keep, base + 12, seed_lo, seed_hi, sf, bd_ptr, base + 12, mask, SR, FAKE, MX)
+        c13 = _rht_code(y13, factor, keep, base + 13, seed_lo, seed_hi, sf, bd_ptr, base + 13, mask, SR, FAKE, MX)
+        c14 = _rht_code(y14, factor, keep, base + 14, seed_lo, seed_hi, sf, bd_ptr, base + 14, mask, SR, FAKE, MX)
+        c15 = _rht_code(y15, factor, keep, base + 15, seed_lo, seed_hi, sf, bd_ptr, base + 15, mask, SR, FAKE, MX)
+        if not FAKE:
+            words = data_ptr.to(tl.pointer_type(tl.uint32))
+            w = cols.to(tl.int64)[None, :] * words_per_row + (chunks * 2)[:, None]
+            tl.store(words + w, _pack8(c0, c1, c2, c3, c4, c5, c6, c7), mask=mask)
+            tl.store(words + w + 1, _pack8(c8, c9, c10, c11, c12, c13, c14, c15), mask=mask)
 
     @_jit()
     def _rht_quantize_tile(
@@ -587,33 +728,21 @@ if triton is not None:
         SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """Quantize RHT(x^T) for one tile; outputs are [K, M]-shaped (transposed). Returns its abs-max bits."""
-        y, x_amax, chunks, cols = _rht_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K)
-        bamax = tl.max(_abs_bits(y), axis=1).to(tl.float32, bitcast=True)  # [chunk, column]
+        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, _, chunks, cols = _rht_tile(
+            x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K
+        )
+        bits = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)  # [chunk, column]
         s_enc, s_dec = _encode_scale(amax)
-        sf_code, sf, enc = _block_scale(bamax, s_enc, s_dec)
-        v = y * enc[:, None, :]
-        if SR:
-            # Flat index of element (k, token) of the [K, M] tensor that formats.quantize sees.
-            tokens3 = (chunks.to(tl.int64) * 16)[:, None, None] + tl.arange(0, 16)[None, :, None]
-            index = cols.to(tl.int64)[None, None, :] * M + tokens3
-            code, value = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
-        else:
-            code, value = _e2m1_rne(v)
-        col_ok = cols < K
-        if FAKE:
-            bd = tl.reshape(tl.permute(value * sf[:, None, :], (2, 0, 1)), (BLOCK_K, BLOCK_M))
-            tokens = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            bmask = col_ok[:, None] & (tokens < M)[None, :]
-            tl.store(bd_ptr + cols.to(tl.int64)[:, None] * M + tokens[None, :], bd.to(bd_ptr.dtype.element_ty), mask=bmask)
-        else:
-            code = tl.where((enc == enc)[:, None, :], code, 0).to(tl.uint8)
-            lo, hi = tl.split(tl.reshape(tl.permute(code, (2, 0, 1)), (BLOCK_K, BLOCK_M // 2, 2)))
-            pcols = pid_m * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
-            pmask = col_ok[:, None] & (pcols < M // 2)[None, :]
-            tl.store(data_ptr + cols.to(tl.int64)[:, None] * (M // 2) + pcols[None, :], lo | (hi << 4), mask=pmask)
-            smask = col_ok[:, None] & (chunks < M // 16)[None, :]
-            _store_scales(scales_ptr, tl.permute(sf_code, (1, 0)), cols, chunks, M // 16, smask, SWIZZLE)
-        return tl.max(tl.max(bamax.to(tl.int32, bitcast=True), axis=1), axis=0)
+        sf_code, sf, enc = _block_scale(bits.to(tl.float32, bitcast=True), s_enc, s_dec)
+        mask = (chunks < M // 16)[:, None] & (cols < K)[None, :]
+        # NaN has no E2M1 code: blocks whose encode factor is NaN (the only ones where v can be NaN) get 0.
+        _rht_store_codes(
+            data_ptr, M // 8, chunks, cols, mask, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14,
+            y15, enc, enc == enc, seed_lo, seed_hi, sf, bd_ptr, M, SR, FAKE, False,
+        )
+        if not FAKE:
+            _store_scales(scales_ptr, sf_code, cols[None, :], chunks[:, None], M // 16, mask, SWIZZLE)
+        return tl.max(tl.max(bits, axis=1), axis=0)
 
     @_jit(do_not_specialize=("seed_lo", "seed_hi"))
     def _rht_quantize_kernel(
@@ -640,6 +769,11 @@ if triton is not None:
             if PASS == 1:
                 tl.atomic_max(own_ptr, tile_amax_bits)
 
+    @_jit()
+    def _pairs(t):
+        """[2n, C] -> [n, 2, C]: chunks 2b and 2b + 1 side by side."""
+        return tl.reshape(t, (t.shape[0] // 2, 2, t.shape[1]))
+
     @_jit(do_not_specialize=("seed_lo", "seed_hi"))
     def _rht_quantize_mx_kernel(
         x_ptr, data_ptr, scales_ptr, amax_ptr, M, K, stride_xm, seed_ptr, seed_lo, seed_hi,
@@ -650,29 +784,21 @@ if triton is not None:
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
-        y, _, _, cols = _rht_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K)
-        y = tl.reshape(y, (BLOCK_M // 32, 32, BLOCK_K))  # [block, token in block, column]
-        bits = tl.max(_abs_bits(y), axis=1)  # [block, column]; NaN sorts above Inf
-        scale_code, inv_scale = _mx_scale(bits)
-        v = y * inv_scale[:, None, :]
-        blocks = pid_m * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)
-        if SR:
-            # Flat index of element (k, token) of the [K, M] tensor that formats.quantize sees.
-            tokens3 = (blocks.to(tl.int64) * 32)[:, None, None] + tl.arange(0, 32)[None, :, None]
-            index = cols.to(tl.int64)[None, None, :] * M + tokens3
-        else:
-            index = 0
-        code = _mx_codes(v, index, seed_lo, seed_hi, SR)
-        col_ok = cols < K
-        lo, hi = tl.split(tl.reshape(tl.permute(code, (2, 0, 1)), (BLOCK_K, BLOCK_M // 2, 2)))
-        pcols = pid_m * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
-        pmask = col_ok[:, None] & (pcols < M // 2)[None, :]
-        tl.store(data_ptr + cols.to(tl.int64)[:, None] * (M // 2) + pcols[None, :], lo | (hi << 4), mask=pmask)
-        smask = col_ok[:, None] & (blocks < M // 32)[None, :]
-        tl.store(
-            scales_ptr + cols.to(tl.int64)[:, None] * (M // 32) + blocks[None, :], tl.permute(scale_code, (1, 0)),
-            mask=smask,
+        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, _, chunks, cols = _rht_tile(
+            x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K
         )
+        chunk_bits = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
+        bits = tl.max(_pairs(chunk_bits), axis=1)  # [block, column]; NaN sorts above Inf
+        scale_code, inv_scale = _mx_scale(bits)
+        factor = tl.reshape(tl.broadcast_to(inv_scale[:, None, :], (BLOCK_M // 32, 2, BLOCK_K)), (BLOCK_M // 16, BLOCK_K))
+        mask = (chunks < M // 16)[:, None] & (cols < K)[None, :]
+        _rht_store_codes(
+            data_ptr, M // 8, chunks, cols, mask, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14,
+            y15, factor, True, seed_lo, seed_hi, factor, data_ptr, M, SR, False, True,
+        )
+        blocks = pid_m * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)
+        smask = (blocks < M // 32)[:, None] & (cols < K)[None, :]
+        tl.store(scales_ptr + cols.to(tl.int64)[None, :] * (M // 32) + blocks[:, None], scale_code, mask=smask)
         tl.atomic_max(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
 
     # ------------------------------------------------------------------------------------------

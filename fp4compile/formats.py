@@ -367,11 +367,17 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def hadamard_matrix(size: int = 16, signs=None, device=None) -> torch.Tensor:
     """diag(signs) @ H_size / sqrt(size) in float32, H the Sylvester Hadamard matrix."""
-    if size < 1 or size & (size - 1):
-        raise ValueError(f"Hadamard size must be a power of two, got {size}")
+    s = _rht_signs(size, signs)
     h = torch.ones(1, 1, dtype=torch.float32)
     while h.shape[0] < size:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return (s[:, None] * h * (1.0 / math.sqrt(size))).to(device)
+
+
+def _rht_signs(size: int, signs) -> torch.Tensor:
+    """The sign vector (float32, ``size`` entries; the default one for size 16) after checking the size."""
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {size}")
     if signs is None:
         if size != len(DEFAULT_RHT_SIGNS):
             raise ValueError(f"the default sign vector has 16 entries; pass signs for size {size}")
@@ -379,52 +385,32 @@ def hadamard_matrix(size: int = 16, signs=None, device=None) -> torch.Tensor:
     s = torch.as_tensor(signs, dtype=torch.float32)
     if s.shape != (size,):
         raise ValueError(f"signs must have {size} entries, got shape {tuple(s.shape)}")
-    return (s[:, None] * h * (1.0 / math.sqrt(size))).to(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _default_hadamard(size: int, device: torch.device) -> torch.Tensor:
-    return hadamard_matrix(size, device=device)
+    return s
 
 
 def rht(x: torch.Tensor, size: int = 16, signs=None) -> torch.Tensor:
     """Blockwise random Hadamard transform along the last dim: each ``size`` chunk c -> c @ H.
 
-    Computed in float32 with a fixed summation order, the same on every device: for each output j,
-    ``acc = 0; acc = fma(c[i], H[i, j], acc) for i = 0 .. size-1`` (fused multiply-adds, one float32
-    rounding per step), returned in ``x.dtype``. Applying it to both operands along a GEMM's reduction
-    dim leaves the product unchanged (H is orthogonal).
+    Computed in float32 in a fixed order, the same on every device (a fast Walsh-Hadamard butterfly):
+    ``z[i] = c[i] * fp32(s[i] / sqrt(size))``, then for ``h = size/2, size/4, .., 1`` each pair
+    ``(z[i], z[i + h])`` with ``i & h == 0`` becomes ``(z[i] + z[i + h], z[i] - z[i + h])``, one float32
+    rounding per operation; the result is returned in ``x.dtype``. ``log2(size)`` additions per element
+    instead of ``size`` multiply-adds. Applying it to both operands along a GEMM's reduction dim leaves
+    the product unchanged (H is orthogonal).
     """
     if x.shape[-1] % size:
         raise ValueError(f"RHT of size {size} needs the last dim to be a multiple of {size}, got shape {tuple(x.shape)}")
-    h = _default_hadamard(size, x.device) if signs is None else hadamard_matrix(size, signs, device=x.device)
-    xf = x.float().reshape(*x.shape[:-1], x.shape[-1] // size, size)
-    acc = torch.zeros_like(xf)
-    if _rht_products_exact(x, xf, size):
-        # Every product c[i] * H[i, j] is exact in float32, so multiply-then-add rounds once per step,
-        # as the fused multiply-add does.
-        for i in range(size):
-            acc = acc + xf[..., i : i + 1] * h[i]
-    else:
-        # fma in float64: the product of two floats is exact there, and a sum of two floats rounded to
-        # float64 and then to float32 is the correctly rounded float32 sum (float64 has more than
-        # 2 * 24 + 2 significant bits).
-        h64 = h.double()
-        for i in range(size):
-            acc = (acc.double() + xf[..., i : i + 1].double() * h64[i]).float()
-    return acc.reshape(x.shape).to(x.dtype)
-
-
-def _rht_products_exact(x: torch.Tensor, xf: torch.Tensor, size: int) -> bool:
-    """Whether every x * H[i, j] is exact in float32: H = +-2**-k (size a power of 4) and x has at most
-    the 11 (fp16) or 8 (bf16) significant bits of its dtype, or is a float32 tensor on the CPU without
-    magnitudes below 2**-124 (where x * 2**-k could drop bits into the subnormal range)."""
-    if (size & 0x55555555) == 0:  # 1/sqrt(size) is not a power of two
-        return False
-    if x.dtype in (torch.bfloat16, torch.float16):
-        return True
-    tiny = (xf != 0) & (xf.abs() < 2.0**-124)
-    return xf.device.type == "cpu" and not bool(tiny.any())
+    s = _rht_signs(size, signs)
+    lead = x.shape[:-1]
+    chunks = x.shape[-1] // size
+    z = x.float().reshape(-1, chunks, size) * (s * (1.0 / math.sqrt(size))).to(x.device)
+    h = size // 2
+    while h >= 1:
+        pairs = z.reshape(-1, chunks, size // (2 * h), 2, h)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        z = torch.stack((a + b, a - b), dim=-2).reshape(-1, chunks, size)
+        h //= 2
+    return z.reshape(*lead, chunks * size).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -385,7 +385,7 @@ def round_f32(value: Fraction) -> float:
 
 
 def rht_fma_chain(x: np.ndarray, signs=RHT_SIGNS) -> np.ndarray:
-    """formats.rht's contract on float32 [..., K]: per 16-chunk c and output j, y = 0, then
+    """The same transform summed another way (not formats.rht's order): per 16-chunk c and output j, y = 0, then
     y = fma(c[i], H[i, j], y) for i = 0..15, each step rounded once to float32 (exact rationals here)."""
     h = hadamard16(signs)
     flat = np.asarray(x, dtype=np.float32).reshape(-1, 16)
@@ -400,6 +400,35 @@ def rht_fma_chain(x: np.ndarray, signs=RHT_SIGNS) -> np.ndarray:
                 else:  # inf stays inf (or becomes NaN against -inf), as in float arithmetic
                     y = y + float(product)
             out[r, j] = y
+    return out.reshape(np.shape(x))
+
+
+def _f32_op(a: float, b: float, subtract: bool) -> float:
+    """a + b or a - b rounded once to float32 (exact rationals), with float semantics for inf/NaN."""
+    if not (math.isfinite(a) and math.isfinite(b)) or (a == 0 and b == 0):
+        return float(np.float32(a - b if subtract else a + b))  # inf, NaN and signed zeros as IEEE
+    return round_f32(Fraction(a) - Fraction(b) if subtract else Fraction(a) + Fraction(b))
+
+
+def rht_butterfly(x: np.ndarray, signs=RHT_SIGNS) -> np.ndarray:
+    """formats.rht's contract on float32 [..., K]: per 16-chunk c, z[i] = fp32(c[i] * s[i] / 4), then for
+    h = 8, 4, 2, 1 every pair (z[i], z[i + h]) with i & h == 0 becomes (z[i] + z[i + h], z[i] - z[i + h]),
+    each operation rounded once to float32 (exact rationals here)."""
+    flat = np.asarray(x, dtype=np.float32).reshape(-1, 16)
+    out = np.empty_like(flat)
+    for r, chunk in enumerate(flat):
+        z = []
+        for i in range(16):
+            c = float(chunk[i])
+            exact = math.isfinite(c) and c != 0
+            z.append(round_f32(Fraction(c) * Fraction(signs[i], 4)) if exact else c * signs[i] / 4)
+        h = 8
+        while h >= 1:
+            for i in range(16):
+                if i & h == 0:
+                    z[i], z[i + h] = _f32_op(z[i], z[i + h], False), _f32_op(z[i], z[i + h], True)
+            h //= 2
+        out[r] = z
     return out.reshape(np.shape(x))
 
 

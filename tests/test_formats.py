@@ -914,38 +914,33 @@ def test_rht_custom_signs():
 
 @FEW
 @given(any_f32_tensors())
-def test_rht_equals_the_exact_fma_chain(x):
+def test_rht_equals_the_exact_butterfly(x):
     # Arbitrary finite float32 values (subnormals, FLT_MAX: sums that overflow to inf included).
-    assert_same_f32(formats.rht(x), ref.rht_fma_chain(x.numpy()))
+    assert_same_f32(formats.rht(x), ref.rht_butterfly(x.numpy()))
 
 
 @FEW
 @given(scaled_tensors(), st.sampled_from([torch.bfloat16, torch.float16]))
-def test_rht_of_half_precision_inputs_equals_the_exact_fma_chain(x, dtype):
+def test_rht_of_half_precision_inputs_equals_the_exact_butterfly(x, dtype):
     x = x.clamp(-6e4, 6e4).to(dtype)  # finite in both dtypes
-    want = torch.from_numpy(ref.rht_fma_chain(x.float().numpy())).to(dtype)
+    want = torch.from_numpy(ref.rht_butterfly(x.float().numpy())).to(dtype)
     assert_same_f32(formats.rht(x).float(), want.float().numpy())
 
 
-def test_rht_is_a_chain_of_fused_multiply_adds():
-    # x0 = 4 and x1 = 2 smallest subnormals: x1 * (1/4) is half a subnormal step, which a separate
-    # multiply would round away (to even: 0) before the add; the fused multiply-add keeps it and rounds
-    # the sum once: 1.5 steps -> 2 (even) where H[1, j] = +1/4, 0.5 steps -> 0 where it is -1/4.
-    step = 2.0**-149
+def test_rht_sums_in_butterfly_order():
+    # z0 = 1/4 and z4 = -z12 = 2**-26, half an ulp of 1/4. For j = 8..11 (+z4 and -z12) the butterfly
+    # adds the two small terms first (2**-25, exact), then to 1/4 (exact); a chain over i = 0..15 adds each
+    # half ulp to 1/4 on its own, and each time the tie rounds back to 1/4.
     x = torch.zeros(1, 16)
-    x[0, 0], x[0, 1] = 4 * step, 2 * step
-    y = formats.rht(x)[0]
-    h = formats.hadamard_matrix()
-    for j in range(16):
-        assert y[j].item() == (2 * step if h[1, j] > 0 else 0.0), j
-    # Away from the subnormal range, products by +-1/4 are exact: the same as the float64 path.
-    x = randn(8, 64, seed=9) * 100
-    want = torch.zeros(8, 4, 16)
-    xf = x.reshape(8, 4, 16)
-    for i in range(16):
-        want = (want.double() + xf[..., i : i + 1].double() * h[i].double()).float()
-    assert torch.equal(formats.rht(x), want.reshape(8, 64))
-    assert torch.equal(formats.rht(x.to(torch.bfloat16)), formats.rht(x.to(torch.bfloat16).float()).to(torch.bfloat16))
+    x[0, 0], x[0, 4], x[0, 12] = 1.0, 2.0**-24, 2.0**-24
+    y = formats.rht(x)
+    assert_same_f32(y, ref.rht_butterfly(x.numpy()))
+    chain = torch.from_numpy(ref.rht_fma_chain(x.numpy()))
+    for j in range(8, 12):
+        assert y[0, j].item() == 0.25 + 2.0**-25 and chain[0, j].item() == 0.25, j
+    # bfloat16 input: the transform is computed in float32 and rounded once to bfloat16.
+    xb = (randn(8, 64, seed=9) * 100).to(torch.bfloat16)
+    assert torch.equal(formats.rht(xb), formats.rht(xb.float()).to(torch.bfloat16))
 
 
 def test_rht_bad_sizes_raise():
