@@ -672,10 +672,9 @@ if triton is not None:
         tl.atomic_max(amax_y_ptr, tl.max(tl.max(y_acc, axis=1), axis=0))
 
     @_jit()
-    def _rht_code(y, factor, keep, index, seed_lo, seed_hi, sf, bd_ptr, bd_offset, mask,
-                  SR: tl.constexpr, FAKE: tl.constexpr, MX: tl.constexpr):
+    def _rht_code(y, factor, keep, index, seed_lo, seed_hi, sf, SR: tl.constexpr, FAKE: tl.constexpr, MX: tl.constexpr):
         """4-bit code (uint32) of v = y * factor, 0 where not ``keep`` (with MX: where v is NaN, as the
-        reference's comparisons give); with FAKE, stores value * sf as bf16 instead."""
+        reference's comparisons give); with FAKE, its block-decoded value value(code) * sf instead."""
         v = y * factor
         if MX:
             keep = v == v
@@ -684,8 +683,19 @@ if triton is not None:
         else:
             code, value = _e2m1_rne(v)
         if FAKE:
-            tl.store(bd_ptr + bd_offset, (value * sf).to(bd_ptr.dtype.element_ty), mask=mask)
-        return tl.where(keep, code, 0)
+            out = value * sf
+        else:
+            out = tl.where(keep, code, 0)
+        return out
+
+    @_jit()
+    def _join16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+        """[..., 16] tensor t with t[..., j] = a_j (each join adds a last dim: the highest bit of j first)."""
+        p0, p1, p2, p3 = tl.join(a0, a8), tl.join(a1, a9), tl.join(a2, a10), tl.join(a3, a11)
+        p4, p5, p6, p7 = tl.join(a4, a12), tl.join(a5, a13), tl.join(a6, a14), tl.join(a7, a15)
+        q0, q1, q2, q3 = tl.join(p0, p4), tl.join(p1, p5), tl.join(p2, p6), tl.join(p3, p7)
+        t = tl.join(tl.join(q0, q2), tl.join(q1, q3))
+        return tl.reshape(t, (a0.shape[0], a0.shape[1], 16))
 
     @_jit()
     def _pack8(c0, c1, c2, c3, c4, c5, c6, c7):
@@ -698,25 +708,29 @@ if triton is not None:
                          y10, y11, y12, y13, y14, y15, factor, keep, seed_lo, seed_hi, sf, bd_ptr, M,
                          SR: tl.constexpr, FAKE: tl.constexpr, MX: tl.constexpr):
         """Codes of the 16 outputs of each chunk: two uint32 words at row ``col`` of the [K, M/2] output
-        (or, with FAKE, the block-decoded values at row ``col`` of the [K, M] one)."""
+        (or, with FAKE, the 16 block-decoded values, contiguous, at row ``col`` of the [K, M] one)."""
         base = cols.to(tl.int64)[None, :] * M + (chunks.to(tl.int64) * 16)[:, None]  # flat index of (col, 16 c)
-        c0 = _rht_code(y0, factor, keep, base + 0, seed_lo, seed_hi, sf, bd_ptr, base + 0, mask, SR, FAKE, MX)
-        c1 = _rht_code(y1, factor, keep, base + 1, seed_lo, seed_hi, sf, bd_ptr, base + 1, mask, SR, FAKE, MX)
-        c2 = _rht_code(y2, factor, keep, base + 2, seed_lo, seed_hi, sf, bd_ptr, base + 2, mask, SR, FAKE, MX)
-        c3 = _rht_code(y3, factor, keep, base + 3, seed_lo, seed_hi, sf, bd_ptr, base + 3, mask, SR, FAKE, MX)
-        c4 = _rht_code(y4, factor, keep, base + 4, seed_lo, seed_hi, sf, bd_ptr, base + 4, mask, SR, FAKE, MX)
-        c5 = _rht_code(y5, factor, keep, base + 5, seed_lo, seed_hi, sf, bd_ptr, base + 5, mask, SR, FAKE, MX)
-        c6 = _rht_code(y6, factor, keep, base + 6, seed_lo, seed_hi, sf, bd_ptr, base + 6, mask, SR, FAKE, MX)
-        c7 = _rht_code(y7, factor, keep, base + 7, seed_lo, seed_hi, sf, bd_ptr, base + 7, mask, SR, FAKE, MX)
-        c8 = _rht_code(y8, factor, keep, base + 8, seed_lo, seed_hi, sf, bd_ptr, base + 8, mask, SR, FAKE, MX)
-        c9 = _rht_code(y9, factor, keep, base + 9, seed_lo, seed_hi, sf, bd_ptr, base + 9, mask, SR, FAKE, MX)
-        c10 = _rht_code(y10, factor, keep, base + 10, seed_lo, seed_hi, sf, bd_ptr, base + 10, mask, SR, FAKE, MX)
-        c11 = _rht_code(y11, factor, keep, base + 11, seed_lo, seed_hi, sf, bd_ptr, base + 11, mask, SR, FAKE, MX)
-        c12 = _rht_code(y12, factor, keep, base + 12, seed_lo, seed_hi, sf, bd_ptr, base + 12, mask, SR, FAKE, MX)
-        c13 = _rht_code(y13, factor, keep, base + 13, seed_lo, seed_hi, sf, bd_ptr, base + 13, mask, SR, FAKE, MX)
-        c14 = _rht_code(y14, factor, keep, base + 14, seed_lo, seed_hi, sf, bd_ptr, base + 14, mask, SR, FAKE, MX)
-        c15 = _rht_code(y15, factor, keep, base + 15, seed_lo, seed_hi, sf, bd_ptr, base + 15, mask, SR, FAKE, MX)
-        if not FAKE:
+        c0 = _rht_code(y0, factor, keep, base + 0, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c1 = _rht_code(y1, factor, keep, base + 1, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c2 = _rht_code(y2, factor, keep, base + 2, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c3 = _rht_code(y3, factor, keep, base + 3, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c4 = _rht_code(y4, factor, keep, base + 4, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c5 = _rht_code(y5, factor, keep, base + 5, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c6 = _rht_code(y6, factor, keep, base + 6, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c7 = _rht_code(y7, factor, keep, base + 7, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c8 = _rht_code(y8, factor, keep, base + 8, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c9 = _rht_code(y9, factor, keep, base + 9, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c10 = _rht_code(y10, factor, keep, base + 10, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c11 = _rht_code(y11, factor, keep, base + 11, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c12 = _rht_code(y12, factor, keep, base + 12, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c13 = _rht_code(y13, factor, keep, base + 13, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c14 = _rht_code(y14, factor, keep, base + 14, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        c15 = _rht_code(y15, factor, keep, base + 15, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        if FAKE:
+            bd = _join16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+            tl.store(bd_ptr + base[:, :, None] + tl.arange(0, 16)[None, None, :], bd.to(bd_ptr.dtype.element_ty),
+                     mask=mask[:, :, None])
+        else:
             words = data_ptr.to(tl.pointer_type(tl.uint32))
             w = cols.to(tl.int64)[None, :] * words_per_row + (chunks * 2)[:, None]
             tl.store(words + w, _pack8(c0, c1, c2, c3, c4, c5, c6, c7), mask=mask)
