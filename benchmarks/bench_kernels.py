@@ -74,8 +74,17 @@ def cases(n: int) -> list[Case]:
         Case("global_amax", lambda s: tk.global_amax(s["x"]), 2 * n + 4, "amax"),
         Case("quantize_1x16 rne, amax given", lambda s: tk.quantize_1x16(s["x"], amax=s["amax"]), quant, "quantize_rows"),
         Case("quantize_1x16 rne", lambda s: tk.quantize_1x16(s["x"]), quant, "quantize_rows", "2 passes"),
+        Case(
+            "quantize_1x16 rne, own amax", lambda s: tk.quantize_1x16(s["x"], amax=s["amax"], amax_is_own=True),
+            quant, "quantize_rows", "1 pass",
+        ),
         Case("quantize_1x16 sr, amax given", lambda s: tk.quantize_1x16(s["x"], "sr", SEED, amax=s["amax"]), quant, "quantize_rows"),
         Case("quantize_1x16 sr", lambda s: tk.quantize_1x16(s["x"], "sr", SEED), quant, "quantize_rows", "2 passes"),
+        Case(
+            "quantize_1x16 sr, own amax",
+            lambda s: tk.quantize_1x16(s["x"], "sr", SEED, amax=s["amax"], amax_is_own=True), quant, "quantize_rows",
+            "1 pass",
+        ),
         Case(
             "quantize_1x16 rne swizzled, amax given",
             lambda s: tk.quantize_1x16(s["x"], amax=s["amax"], swizzle=True), quant, "quantize_rows",
@@ -88,10 +97,20 @@ def cases(n: int) -> list[Case]:
         ),
         Case("wgrad rht+rne", lambda s: tk.quantize_wgrad_operand(s["x"]), quant, "rht_quantize", "2 passes"),
         Case(
+            "wgrad rht+rne, own amax",
+            lambda s: tk.quantize_wgrad_operand(s["x"], amax=s["amax_rht"], amax_is_own=True), quant, "rht_quantize",
+            "1 pass",
+        ),
+        Case(
             "wgrad rht+sr, amax given",
             lambda s: tk.quantize_wgrad_operand(s["x"], "sr", SEED, amax=s["amax_rht"]), quant, "rht_quantize",
         ),
         Case("wgrad rht+sr", lambda s: tk.quantize_wgrad_operand(s["x"], "sr", SEED), quant, "rht_quantize", "2 passes"),
+        Case(
+            "wgrad rht+sr, own amax",
+            lambda s: tk.quantize_wgrad_operand(s["x"], "sr", SEED, amax=s["amax_rht"], amax_is_own=True), quant,
+            "rht_quantize", "1 pass",
+        ),
         Case(
             "device seed: quantize_1x16 sr", lambda s: tk.quantize_1x16(s["x"], "sr", device_seed(s["x"])), quant,
             "quantize_rows", "2 passes",

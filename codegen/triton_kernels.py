@@ -961,17 +961,23 @@ def _rht_amax_bits(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out_x, out_y
 
 
-def _quantize_passes(launch, own_amax_bits, amax: Optional[torch.Tensor], device) -> torch.Tensor:
+def _quantize_passes(launch, own_amax_bits, amax: Optional[torch.Tensor], device, amax_is_own: bool) -> torch.Tensor:
     """Run ``launch(amax_ptr, own_ptr, out_amax_ptr, PASS)`` as the amax mode needs; return the amax used.
 
     Without ``amax``: one pass with the tensor's own amax (``own_amax_bits()`` computes it first).
-    With it: a pass with the given amax that also tracks the own amax, then the fix-up pass.
+    With it and ``amax_is_own``: that one pass alone, with the amax computed elsewhere. Otherwise: a pass
+    with the given amax that also tracks the own amax, then the fix-up pass.
     """
     if amax is None:
+        if amax_is_own:
+            raise ValueError("amax_is_own=True needs the amax (amax=...)")
         own = own_amax_bits().view(torch.float32)
         launch(own, own, own, 0)
         return own.reshape(())
     given = amax.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
+    if amax_is_own:
+        launch(given, given, given, 0)
+        return given.reshape(())
     own = torch.zeros(1, dtype=torch.int32, device=device)
     result = torch.empty(1, dtype=torch.float32, device=device)
     launch(given, own, result, 1)
@@ -988,7 +994,7 @@ def _output_buffers(rows, cols, swizzle, fake, device):
     return data, _scales_buffer(rows, cols // 16, swizzle, device), data
 
 
-def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake):
+def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake, amax_is_own=False):
     _require_triton()
     x2 = _as_rows(x, what, tile_rows)
     m, k = x2.shape
@@ -1004,7 +1010,7 @@ def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake):
             BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
         )
 
-    amax_used = _quantize_passes(launch, lambda: _amax_bits(x2), amax, x2.device)
+    amax_used = _quantize_passes(launch, lambda: _amax_bits(x2), amax, x2.device, amax_is_own)
     lead = x.shape[:-1]
     if fake:
         return bd.reshape(x.shape), amax_used
@@ -1013,7 +1019,7 @@ def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake):
     return data.reshape(*lead, k // 2), scales, amax_used
 
 
-def _quantize_wgrad(x, rounding, seed, amax, swizzle, fake):
+def _quantize_wgrad(x, rounding, seed, amax, swizzle, fake, amax_is_own=False):
     _require_triton()
     x2 = _as_rows(x, "quantize_wgrad_operand", rows_multiple=16, cols_multiple=1)
     m, k = x2.shape  # m tokens
@@ -1029,7 +1035,7 @@ def _quantize_wgrad(x, rounding, seed, amax, swizzle, fake):
             BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
         )
 
-    amax_used = _quantize_passes(launch, lambda: _rht_amax_bits(x2)[1], amax, x2.device)
+    amax_used = _quantize_passes(launch, lambda: _rht_amax_bits(x2)[1], amax, x2.device, amax_is_own)
     if fake:
         return bd, amax_used
     return data, scales, amax_used
@@ -1058,15 +1064,20 @@ def wgrad_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_1x16(
     x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
-    swizzle: bool = False,
+    swizzle: bool = False, amax_is_own: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 with 1x16 blocks along the last dim: (codes uint8 [..., K/2], scales uint8, amax fp32 0-dim).
 
     Bit for bit ``formats.quantize(x, "nvfp4", "1x16", rounding, amax=amax, seed=seed)``. Scales are
     the bits of float8_e4m3fn, [..., K/16] row-major, or with ``swizzle`` the flat 128x4-tiled layout
     of ``formats.swizzle_scales`` over the [rows, K/16] matrix (zero padded).
+
+    A given ``amax`` is checked against the tensor's own (a second pass over a per-tile maximum; a
+    non-finite own amax wins). ``amax_is_own=True`` says it *is* x's own abs max, computed elsewhere
+    (by ``global_amax``, ``wgrad_amax`` or the operand's producer): then one quantizing pass reads x
+    once and does nothing else.
     """
-    return _quantize_rows(x, "quantize_1x16", 1, rounding, seed, amax, swizzle, fake=False)
+    return _quantize_rows(x, "quantize_1x16", 1, rounding, seed, amax, swizzle, False, amax_is_own)
 
 
 def quantize_16x16(
@@ -1079,7 +1090,7 @@ def quantize_16x16(
 
 def quantize_wgrad_operand(
     x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
-    swizzle: bool = False,
+    swizzle: bool = False, amax_is_own: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantized RHT(x^T) for x [tokens, K] (leading dims flattened into tokens, a multiple of 16).
 
@@ -1087,9 +1098,10 @@ def quantize_wgrad_operand(
     returns (codes [K, tokens/2], scales [K, tokens/16] or swizzled, amax), bit for bit
     ``formats.quantize(formats.rht(x2.t()), "nvfp4", "1x16", rounding, amax=amax, seed=seed)`` with
     x2 = x as [tokens, K]. The RHT output is rounded to x's dtype first, as ``formats.rht`` returns it.
-    Use rounding="rne" for activations X and "sr" for output gradients dY.
+    Use rounding="rne" for activations X and "sr" for output gradients dY. ``amax_is_own=True``: the given
+    amax is that of RHT(x^T) (``wgrad_amax``'s second result), and one pass runs, as in ``quantize_1x16``.
     """
-    return _quantize_wgrad(x, rounding, seed, amax, swizzle, fake=False)
+    return _quantize_wgrad(x, rounding, seed, amax, swizzle, False, amax_is_own)
 
 
 def _quantize_mx(kernel, x2, rows, cols, cfg, grid, rounding, seed):

@@ -249,6 +249,24 @@ def test_given_amax(given, fill):
     assert_same_quantization(*out, wgrad_reference(x, "rne", amax=amax))
 
 
+@pytest.mark.parametrize("fill", [None, float("nan"), float("inf")])
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_own_amax_is_one_pass_with_the_same_bits(rounding, fill):
+    # The amax computed elsewhere (here by wgrad_amax, as one pass would give both) and passed as the
+    # tensor's own: the quantizing pass alone runs, and the bits are those of the two-pass path.
+    x = sample((64, 48), torch.bfloat16, seed=12)
+    if fill is not None:
+        x[5, 7] = fill
+    xd = x.to(DEVICE)
+    amax_x, amax_rht = tk.wgrad_amax(xd)
+    out = tk.quantize_1x16(xd, rounding, seed=3, amax=amax_x, amax_is_own=True)
+    assert_same_quantization(*out, formats.quantize(x, rounding=rounding, seed=3))
+    out = tk.quantize_wgrad_operand(xd, rounding, seed=3, amax=amax_rht, amax_is_own=True)
+    assert_same_quantization(*out, wgrad_reference(x, rounding, seed=3))
+    with pytest.raises(ValueError, match="amax_is_own"):
+        tk.quantize_1x16(xd, amax_is_own=True)
+
+
 @pytest.mark.parametrize("rounding", ["rne", "sr"])
 def test_fake_quantize(rounding):
     x = sample((32, 64), torch.bfloat16, seed=11)
