@@ -4,7 +4,9 @@ Each variant runs in its own process with a fresh Inductor cache, so the first-c
 compile. Measures: first step (compile + run), median step time, peak GPU memory in steady state.
 Before timing, checks that the GPU quantize matches the CPU reference bit for bit. A ``-cg`` variant
 compiles with ``mode="reduce-overhead"`` (the steps are recorded in CUDA graphs and replayed); a ``-dec``
-variant sets ``Recipe(decoded_operands=True)``. Ratios are given against ``bf16``, plain ``torch.compile``.
+variant sets ``Recipe(decoded_operands=True)``, a ``-packed`` one ``decoded_operands=False`` (without
+either, the recipe's default: decoded with CUDA graphs, packed without). Ratios are given against
+``bf16``, plain ``torch.compile``.
 
     python benchmarks/bench_e2e.py --out results.json            # d=1024 and d=2048, all variants
 """
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
-VARIANTS = ("bf16", "nvfp4", "naive", "bf16-cg", "nvfp4-cg", "nvfp4-dec", "nvfp4-dec-cg")
+VARIANTS = ("bf16", "nvfp4", "naive", "bf16-cg", "nvfp4-cg", "nvfp4-dec", "nvfp4-dec-cg", "nvfp4-packed-cg")
 
 
 def naive_fake_quant(x: torch.Tensor) -> torch.Tensor:
@@ -86,8 +88,8 @@ def training_step(variant: str, d_model: int, n_layer: int, batch: int):
     torch.manual_seed(0)
     graphs = variant.endswith("-cg")
     variant = variant.removesuffix("-cg")
-    decoded = variant.endswith("-dec")
-    variant = variant.removesuffix("-dec")
+    decoded = {"-dec": True, "-packed": False}.get(variant[variant.rfind("-"):]) if "-" in variant else None
+    variant = variant.removesuffix("-dec").removesuffix("-packed")
     mode = "reduce-overhead" if graphs else None
     model, cfg = build(d_model, n_layer, variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)

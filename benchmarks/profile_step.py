@@ -25,7 +25,7 @@ from bench_e2e import VARIANTS, training_step  # noqa: E402
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variant", choices=VARIANTS, default="nvfp4",
-                   help="as bench_e2e.py: -cg records the step in CUDA graphs, -dec decodes operands in the quantizer")
+                   help="as bench_e2e.py: -cg records the step in CUDA graphs, -dec / -packed set decoded operands on / off")
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--batch", type=int, default=16)

@@ -130,7 +130,8 @@ class Backend:
     def _compile(
         self, gm: fx.GraphModule, example_inputs, graph_id: int, high_precision: bool = False, model_site_names=None
     ):
-        recipe = self.recipe
+        config = self._inductor_config(graph_id) if self.inner == "inductor" else {}
+        recipe = self._effective_recipe(config)
         ctx = CompileContext(recipe, graph_id, model_site_names or None)
         if high_precision:
             user_passes = [_all_high_precision]
@@ -143,8 +144,15 @@ class Backend:
             return pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage, self.print_ir_after)
 
         if self.inner == "inductor":
-            return _compile_inductor(gm, example_inputs, aot_passes, self._inductor_config(graph_id))
+            return _compile_inductor(gm, example_inputs, aot_passes, config)
         return _compile_eager(gm, example_inputs, aot_passes)
+
+    def _effective_recipe(self, inductor_config: dict) -> Recipe:
+        """The recipe with its automatic choices made for this compilation: ``decoded_operands=None``
+        becomes True where the graphs are recorded in CUDA graphs, False otherwise."""
+        if self.recipe.decoded_operands is not None:
+            return self.recipe
+        return self.recipe.replace(decoded_operands=bool(inductor_config.get("triton.cudagraphs")))
 
     def _inductor_config(self, graph_id: int) -> dict:
         config = dict(self.inductor_config)

@@ -33,11 +33,12 @@ class Recipe:
     include_activation_matmuls: experimental; also run explicit products of two activations (``q @ k.mT``,
         ``probs @ v`` with ``matmul``/``mm``/``bmm``, 2-D to 4-D) as FP4 GEMM sites, both operands in
         1x16 blocks. Fused ``scaled_dot_product_attention`` stays in high precision.
-    decoded_operands: experimental, for emulated NVFP4 GEMMs on CUDA (no effect elsewhere): each operand's
-        quantizer writes it decoded to BF16 for the GEMM (pass ``decode_for_emulation``) instead of packed
-        codes that are decoded right before it. Same bits and one pass over memory less per operand, but
-        decoded operands are 3.6x the size of packed ones while they wait for their GEMM; off until
-        benchmarks show it pays (docs/emulation.md).
+    decoded_operands: for emulated NVFP4 GEMMs on CUDA (no effect elsewhere): each operand's quantizer
+        writes it decoded to BF16 for the GEMM (pass ``decode_for_emulation``) instead of packed codes
+        that are decoded right before it. Same bits and one pass over memory less per operand, but
+        decoded operands are 3.6x the size of packed ones while they wait for their GEMM. None (the
+        default): on where the steps are recorded in CUDA graphs (``mode="reduce-overhead"``), where it
+        measured faster, off otherwise (docs/emulation.md).
     """
 
     fmt: str = "nvfp4"
@@ -53,7 +54,7 @@ class Recipe:
     switch_to_high_precision_at: Optional[int] = None
     check_finite: bool = False
     include_activation_matmuls: bool = False
-    decoded_operands: bool = False
+    decoded_operands: Optional[bool] = None
 
     def __post_init__(self):
         if self.fmt not in FORMATS:

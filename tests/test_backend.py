@@ -349,3 +349,19 @@ def test_mode_reduce_overhead_configures_cuda_graphs(caplog):
     assert "graph 7: Recipe(check_finite=True)" in caplog.text and "without CUDA graphs" in caplog.text
     assert checked.inductor_config["triton.cudagraphs"] is True  # the backend's own setting is kept
 
+
+
+def test_decoded_operands_follow_cuda_graphs_unless_set():
+    # Recipe(decoded_operands=None), the default: on where the graphs are recorded in CUDA graphs.
+    graphed = Backend(mode="reduce-overhead")
+    assert graphed.recipe.decoded_operands is None
+    assert graphed._effective_recipe(graphed._inductor_config(0)).decoded_operands is True
+    assert Backend()._effective_recipe(Backend()._inductor_config(0)).decoded_operands is False
+    # A graph that compiles without CUDA graphs (check_finite) keeps packed operands.
+    checked = Backend(mode="reduce-overhead", check_finite=True)
+    assert checked._effective_recipe(checked._inductor_config(0)).decoded_operands is False
+    # An explicit choice is kept either way.
+    for mode in (None, "reduce-overhead"):
+        for value in (True, False):
+            backend = Backend(mode=mode, decoded_operands=value)
+            assert backend._effective_recipe(backend._inductor_config(0)).decoded_operands is value
