@@ -1,8 +1,8 @@
 """decode_for_emulation: emulated NVFP4 GEMMs on CUDA read operands their quantizer wrote decoded.
 
 Requires: ``lower_scaled_mm`` and ``fuse_rht_quantize``.
-Guarantees: with ``Recipe(decoded_operands=True)`` (off by default; without it the pass changes
-nothing), every 2-D ``fp4.scaled_mm`` on a CUDA device with the ``emulation`` kernel and NVFP4 whose
+Guarantees: with ``Recipe(decoded_operands=True)`` (what the backend makes of the default ``None`` when
+it compiles with CUDA graphs; otherwise the pass changes nothing), every 2-D ``fp4.scaled_mm`` on a CUDA device with the ``emulation`` kernel and NVFP4 whose
 operands come straight from ``fp4.quantize`` / ``fp4.rht_quantize`` nodes (used by that GEMM alone)
 becomes ``fp4.emulated_mm(a_bd, a_amax, b_bd, b_amax, fmt, dtype)`` on ``fp4.fake_quantize`` /
 ``fp4.fake_rht_quantize`` nodes with the same arguments (seed, check label, metadata): the same codes
