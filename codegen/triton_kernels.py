@@ -32,8 +32,8 @@ finite, then redoes the tensor in that rare case.
 
 Arithmetic notes: divisions use ``div_rn`` (Triton's ``/`` is approximate on NVIDIA GPUs), every
 kernel is compiled without mul+add contraction, E4M3 and E2M1 rounding are done on the fp32 bits (and
-one exact-by-construction fp32 addition), and the RHT accumulates its 16 products by fused
-multiply-adds in the order i = 0..15, as the CPU matmul that ``formats.rht`` runs does. Where an
+one exact-by-construction fp32 addition), and the RHT runs the butterfly ``formats.rht`` defines
+(``z_i = x_i * s_i / 4``, then additions and subtractions at strides 8, 4, 2, 1). Where an
 element's scaled value is NaN its code is +0 (code 0): NaN has no E2M1 encoding, and the sign the CPU
 reference gives such an element depends on its vector unit. docs/emulation.md has the details.
 
@@ -965,8 +965,9 @@ def _quantize_passes(launch, own_amax_bits, amax: Optional[torch.Tensor], device
     """Run ``launch(amax_ptr, own_ptr, out_amax_ptr, PASS)`` as the amax mode needs; return the amax used.
 
     Without ``amax``: one pass with the tensor's own amax (``own_amax_bits()`` computes it first).
-    With it and ``amax_is_own``: that one pass alone, with the amax computed elsewhere. Otherwise: a pass
-    with the given amax that also tracks the own amax, then the fix-up pass.
+    With it and ``amax_is_own``: that one pass alone, with the amax computed elsewhere (returned as
+    given, on the device as float32). Otherwise: a pass with the given amax that also tracks the own
+    amax, then the fix-up pass.
     """
     if amax is None:
         if amax_is_own:

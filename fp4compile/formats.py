@@ -400,17 +400,27 @@ def rht(x: torch.Tensor, size: int = 16, signs=None) -> torch.Tensor:
     """
     if x.shape[-1] % size:
         raise ValueError(f"RHT of size {size} needs the last dim to be a multiple of {size}, got shape {tuple(x.shape)}")
-    s = _rht_signs(size, signs)
+    if signs is None:
+        scale = _default_rht_scale(size, x.device)
+    else:
+        scale = (_rht_signs(size, signs) * (1.0 / math.sqrt(size))).to(x.device)
     lead = x.shape[:-1]
     chunks = x.shape[-1] // size
-    z = x.float().reshape(-1, chunks, size) * (s * (1.0 / math.sqrt(size))).to(x.device)
+    z = x.float().reshape(*lead, chunks, size) * scale
     h = size // 2
     while h >= 1:
-        pairs = z.reshape(-1, chunks, size // (2 * h), 2, h)
+        pairs = z.reshape(*lead, chunks, size // (2 * h), 2, h)
         a, b = pairs[..., 0, :], pairs[..., 1, :]
-        z = torch.stack((a + b, a - b), dim=-2).reshape(-1, chunks, size)
+        z = torch.stack((a + b, a - b), dim=-2).reshape(*lead, chunks, size)
         h //= 2
-    return z.reshape(*lead, chunks * size).to(x.dtype)
+    return z.reshape(x.shape).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _default_rht_scale(size: int, device: torch.device) -> torch.Tensor:
+    """fp32(s[i] / sqrt(size)) for the default signs, kept on each device: copied there once, not on
+    every call (a host-to-device copy cannot be recorded in a CUDA graph)."""
+    return (_rht_signs(size, None) * (1.0 / math.sqrt(size))).to(device)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1044,3 +1044,14 @@ def test_global_encode_scale_is_one_ieee_division():
     want = np.float32(2688.0) / amax.numpy()
     got = formats.global_encode_scale(amax).numpy()
     assert np.array_equal(got, want)
+
+
+def test_rht_keeps_the_sign_vector_on_the_device_and_takes_empty_tensors():
+    # The default scaled sign vector is made once per device (a host-to-device copy on every call could
+    # not be recorded in a CUDA graph): the same tensor object each time.
+    x = randn(4, 32, seed=13)
+    formats.rht(x)
+    assert formats._default_rht_scale(16, x.device) is formats._default_rht_scale(16, x.device)
+    empty = torch.zeros(3, 0)
+    assert formats.rht(empty).shape == (3, 0)
+    assert formats.rht(torch.zeros(0, 16)).shape == (0, 16)
