@@ -149,10 +149,18 @@ class Backend:
 
     def _effective_recipe(self, inductor_config: dict) -> Recipe:
         """The recipe with its automatic choices made for this compilation: ``decoded_operands=None``
-        becomes True where the graphs are recorded in CUDA graphs, False otherwise."""
+        becomes True where Inductor records the graphs in CUDA graphs (this backend's mode, or else
+        Inductor's global setting), False otherwise."""
         if self.recipe.decoded_operands is not None:
             return self.recipe
-        return self.recipe.replace(decoded_operands=bool(inductor_config.get("triton.cudagraphs")))
+        graphs = False
+        if self.inner == "inductor":
+            graphs = inductor_config.get("triton.cudagraphs")
+            if graphs is None:
+                from torch._inductor import config as inductor_global
+
+                graphs = inductor_global.triton.cudagraphs
+        return self.recipe.replace(decoded_operands=bool(graphs))
 
     def _inductor_config(self, graph_id: int) -> dict:
         config = dict(self.inductor_config)

@@ -37,8 +37,9 @@ class Recipe:
         writes it decoded to BF16 for the GEMM (pass ``decode_for_emulation``) instead of packed codes
         that are decoded right before it. Same bits and one pass over memory less per operand, but
         decoded operands are 3.6x the size of packed ones while they wait for their GEMM. None (the
-        default): on where the backend records the steps in CUDA graphs (``mode="reduce-overhead"`` or
-        ``"max-autotune"``), where it measured faster, off otherwise (docs/emulation.md).
+        default): on where Inductor records the steps in CUDA graphs (the backend's
+        ``mode="reduce-overhead"`` or ``"max-autotune"``, or Inductor's global setting), where it
+        measured faster, off otherwise (docs/emulation.md).
     """
 
     fmt: str = "nvfp4"

@@ -360,6 +360,12 @@ def test_decoded_operands_follow_cuda_graphs_unless_set():
     # A graph that compiles without CUDA graphs (check_finite) keeps packed operands.
     checked = Backend(mode="reduce-overhead", check_finite=True)
     assert checked._effective_recipe(checked._inductor_config(0)).decoded_operands is False
+    # Inductor's global setting counts where the backend's mode does not set it.
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        assert Backend()._effective_recipe(Backend()._inductor_config(0)).decoded_operands is True
+        assert Backend(inner="eager")._effective_recipe({}).decoded_operands is False
     # An explicit choice is kept either way.
     for mode in (None, "reduce-overhead"):
         for value in (True, False):
