@@ -1,0 +1,125 @@
+"""Machine code of the NVFP4 Triton kernels for sm_90 (Hopper), built without a GPU: instructions per element.
+
+Compiles each kernel at its default launch configuration (``triton_kernels.CONFIGS``) for compute
+capability 9.0 with ``triton.compile`` (no device needed), disassembles it with the ``cuobjdump`` that
+Triton's package carries, and prints the instruction count, registers, elements per thread and
+instructions per element. Integer arguments are marked divisible by 16, as Triton specializes them at
+launch for the benchmark's 8192x8192 input, so the loads are vectorized as they are there.
+
+    python benchmarks/kernel_sass.py                  # all kernels
+    python benchmarks/kernel_sass.py --kernels rows_rne rht_sr --dump-dir sass/
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+
+def _load_kernels():
+    # The module picks Triton's interpreter when no CUDA device is present; compiling needs the real
+    # JIT functions, so report a device while importing it.
+    available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        from fp4compile.codegen import triton_kernels as tk
+    finally:
+        torch.cuda.is_available = available
+    return tk
+
+
+QUANT_ARGS = {
+    "x_ptr": "*bf16", "amax_ptr": "*fp32", "own_ptr": "*i32", "out_amax_ptr": "*fp32", "data_ptr": "*u8",
+    "scales_ptr": "*u8", "bd_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32",
+    "seed_ptr": "*i64", "seed_lo": "i32", "seed_hi": "i32",
+}
+
+
+def kernel_specs(tk):
+    """name -> (jit function, signature, constexprs, config key, elements per loop iteration of a program)."""
+    rows = dict(QUANT_ARGS, TILE_ROWS="constexpr", SR="constexpr", SWIZZLE="constexpr", FAKE="constexpr",
+                PASS="constexpr", MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr")
+    rht = dict(QUANT_ARGS, SR="constexpr", SWIZZLE="constexpr", FAKE="constexpr", PASS="constexpr",
+               MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr")
+    amax = {"x_ptr": "*bf16", "amax_x_ptr": "*i32", "amax_y_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
+            "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "ITERS": "constexpr"}
+    specs = {}
+    for sr, name in ((0, "rne"), (1, "sr")):
+        cfg = tk.CONFIGS["quantize_rows"]
+        specs[f"rows_{name}"] = (tk._quantize_rows_kernel, rows, dict(
+            TILE_ROWS=1, SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"]),
+            "quantize_rows")
+        cfg = tk.CONFIGS["rht_quantize"]
+        specs[f"rht_{name}"] = (tk._rht_quantize_kernel, rht, dict(
+            SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"]), "rht_quantize")
+    cfg = tk.CONFIGS["rht_amax"]
+    specs["wgrad_amax"] = (tk._rht_amax_kernel, amax, dict(
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=cfg["ITERS"]), "rht_amax")
+    return specs
+
+
+def cuobjdump() -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"cuobjdump is not in Triton's package ({path})")
+    return path
+
+
+def measure(tk, name, spec, dump_dir=None) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, signature, constexprs, key = spec
+    cfg = tk.CONFIGS[key]
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, (arg, kind) in enumerate(signature.items())
+        if kind != "constexpr" and not arg.startswith("seed_")
+    }
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False}
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, f"{name}.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([cuobjdump(), "-sass", cubin], check=True, capture_output=True, text=True).stdout
+        usage = subprocess.run([cuobjdump(), "-res-usage", cubin], check=True, capture_output=True, text=True).stdout
+    if dump_dir:
+        os.makedirs(dump_dir, exist_ok=True)
+        with open(os.path.join(dump_dir, f"{name}.sass"), "w") as f:
+            f.write(sass)
+    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, flags=re.M))
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    per_thread = constexprs["BLOCK_M"] * constexprs["BLOCK_K"] // (cfg["num_warps"] * 32)
+    return dict(kernel=name, instructions=instructions, registers=registers, elements_per_thread=per_thread,
+                per_element=instructions / per_thread)
+
+
+def main(argv=None) -> int:
+    tk = _load_kernels()
+    specs = kernel_specs(tk)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kernels", nargs="+", choices=sorted(specs), default=list(specs))
+    parser.add_argument("--dump-dir", help="also write each kernel's disassembly here")
+    args = parser.parse_args(argv)
+    print(f"{'kernel':12s} {'instructions':>12s} {'registers':>9s} {'elems/thread':>12s} {'per element':>11s}")
+    for name in args.kernels:
+        r = measure(tk, name, specs[name], args.dump_dir)
+        print(f"{name:12s} {r['instructions']:12d} {r['registers']:9d} {r['elements_per_thread']:12d} "
+              f"{r['per_element']:11.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
