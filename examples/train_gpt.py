@@ -199,6 +199,15 @@ def check_resume(args: argparse.Namespace, saved: dict, step: int, path: Path) -
         raise ValueError(f"cannot resume from {path}: " + "; ".join(diffs))
 
 
+def device_change_note(saved_device, device) -> str:
+    """A note when a run moves to another kind of device: it continues, but not with the bits an
+    uninterrupted run would have (GEMM summation orders and kernels differ between devices)."""
+    if saved_device is None or torch.device(saved_device).type == torch.device(device).type:
+        return ""
+    return (f"the checkpoint's run trained on {saved_device}, this one continues on {device}: the steps after "
+            "the checkpoint will not have the bits of an uninterrupted run")
+
+
 def run_name(args: argparse.Namespace) -> str:
     if args.name:
         return args.name
@@ -385,6 +394,9 @@ def _train(argv: Optional[Sequence[str]], cleanup: contextlib.ExitStack) -> dict
             check_same_corpus(corpus.stats(), checkpoint["record"]["corpus"], args.resume)
         except ValueError as error:
             raise SystemExit(f"train_gpt.py: error: {error}") from None
+        note = device_change_note(checkpoint["record"].get("env", {}).get("device"), device)
+        if note:
+            print(f"train_gpt.py: note: {note}", flush=True)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         if backend is not None:

@@ -338,7 +338,7 @@ def test_train_gpt_sigterm_writes_the_checkpoint(tmp_path, capsys, monkeypatch):
     assert done["train"]["loss"] == whole["train"]["loss"] and done["summary"]["steps"] == 3
 
 
-def test_train_gpt_resume_refuses_another_run(tmp_path):
+def test_train_gpt_resume_refuses_another_run(tmp_path, capsys):
     ckpt = tmp_path / "run.pt"
     base = ["--precision", "bf16", "--device", "cpu", "--no-compile", *QUICK]
     train_gpt.main([*base, "--checkpoint", str(ckpt), "--save-at", "2"])
@@ -349,6 +349,13 @@ def test_train_gpt_resume_refuses_another_run(tmp_path):
     torch.save(record, tmp_path / "other.pt")
     with pytest.raises(SystemExit, match="the corpus differs: train_tokens"):
         train_gpt.main([*base, "--resume", str(tmp_path / "other.pt")])
+    # A run trained on another kind of device resumes, with a note that the bits will differ.
+    record = torch.load(ckpt)
+    record["record"]["env"]["device"] = "cuda:0"
+    torch.save(record, tmp_path / "moved.pt")
+    train_gpt.main([*base, "--resume", str(tmp_path / "moved.pt")])
+    assert "note: the checkpoint's run trained on cuda:0, this one continues on cpu" in capsys.readouterr().out
+    assert train_gpt.device_change_note("cuda:1", "cuda:0") == "" and train_gpt.device_change_note(None, "cpu") == ""
     with pytest.raises(SystemExit):  # --save-at and --time-limit need somewhere to write
         train_gpt.parse_args(["--time-limit", "5"])
     with pytest.raises(SystemExit):
