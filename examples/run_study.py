@@ -156,8 +156,19 @@ def check_finished_runs(args, names: list[str]) -> None:
             )
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)
+class _SigtermFlag:
+    """SIGTERM handler that only records the signal: the scheduling loop checks it between its steps and
+    exits there, so that a run is never started without being registered for the clean-up."""
+
+    def __init__(self):
+        self.received = False
+
+    def __call__(self, signum, frame):
+        self.received = True
+
+    def exit_if_received(self):
+        if self.received:
+            raise SystemExit(128 + signal.SIGTERM)
 
 
 def _last_line(path: Path) -> str:
@@ -185,9 +196,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     pending = [n for n in args.configs if n not in done]
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     previous_handler = None
+    sigterm = _SigtermFlag()
     if threading.current_thread() is threading.main_thread():
         # SIGTERM ends this loop through its ``finally``, which passes the signal on to the runs.
-        previous_handler = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        previous_handler = signal.signal(signal.SIGTERM, sigterm)
     logs = {}
     ended: dict[str, tuple[int, float]] = {}
     start = time.monotonic()
@@ -201,6 +213,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         while pending or running:
+            sigterm.exit_if_received()
             for name in [n for n in pending if not ready(n) and fork_parent(n, args) not in pending
                          and fork_parent(n, args) not in running]:
                 pending.remove(name)  # the parent ended without reaching the switch step
@@ -222,6 +235,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 log.write(" ".join(cmd) + "\n")
                 log.flush()
                 running[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), time.monotonic())
+                sigterm.exit_if_received()
             for name, (proc, t0) in list(running.items()):
                 if proc.poll() is not None:
                     ended[name] = (proc.returncode, time.monotonic() - t0)

@@ -461,6 +461,19 @@ def test_run_study_time_limit_then_continue(tmp_path, capfd, monkeypatch):
     assert run["segments"][1]["start_step"] == len(partial["train"]["step"])
 
 
+def test_run_study_sigterm_is_acted_on_between_loop_steps():
+    # The handler only records the signal; the loop exits at its next check, never between starting a
+    # run and registering it for the clean-up.
+    import signal
+
+    flag = run_study._SigtermFlag()
+    flag.exit_if_received()  # nothing received: no exit
+    flag(signal.SIGTERM, None)
+    with pytest.raises(SystemExit) as stop:
+        flag.exit_if_received()
+    assert stop.value.code == 128 + signal.SIGTERM
+
+
 def test_run_study_sigterm_stops_the_runs_with_their_checkpoints(tmp_path):
     """SIGTERM to run_study.py reaches each run, which finishes its step, writes its checkpoint and stops
     (continuing from such a checkpoint is what the time-limit test checks)."""
