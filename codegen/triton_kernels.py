@@ -301,6 +301,16 @@ if triton is not None:
         return _hash32(_hash32(lo ^ k0) ^ (hi ^ k1))
 
     @_jit()
+    def _e2m1(v, index, seed_lo, seed_hi, SR: tl.constexpr):
+        """(4-bit code, signed E2M1 value) of v: stochastic with SR (the bits of the int64 flat indices
+        ``index`` in the stream (seed_lo, seed_hi)), else round to nearest even; ``index`` is read with SR only."""
+        if SR:
+            code, value = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
+        else:
+            code, value = _e2m1_rne(v)
+        return code, value
+
+    @_jit()
     def _mix64(x):
         """splitmix64's finaliser on uint64, as ``runtime._mix64`` (wrapping arithmetic)."""
         x = x + 0x9E3779B97F4A7C15
@@ -369,10 +379,7 @@ if triton is not None:
         """Codes of [G, 8] half blocks (x * enc, 0 where the block is not ``keep``), one uint32 per half
         block with element j in nibble j; with FAKE, stores value * sf as bf16 at ``index`` instead."""
         v = xh * enc[:, None]
-        if SR:
-            code, value = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
-        else:
-            code, value = _e2m1_rne(v)
+        code, value = _e2m1(v, index, seed_lo, seed_hi, SR)
         if FAKE:
             tl.store(bd_ptr + index, (value * sf[:, None]).to(bd_ptr.dtype.element_ty), mask=mask[:, None])
         code = tl.where(keep[:, None], code, 0)
@@ -435,9 +442,9 @@ if triton is not None:
         v = x4 * enc[:, None, :, None]
         if SR:
             index = tl.reshape(rows.to(tl.int64)[:, None] * K + cols[None, :], (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
-            code, value = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
         else:
-            code, value = _e2m1_rne(v)
+            index = 0
+        code, value = _e2m1(v, index, seed_lo, seed_hi, SR)
         if FAKE:
             bd = tl.reshape(value * sf[:, None, :, None], (BLOCK_M, BLOCK_K))
             tl.store(bd_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], bd.to(bd_ptr.dtype.element_ty), mask=mask)
@@ -503,10 +510,7 @@ if triton is not None:
     @_jit()
     def _mx_codes(v, index, seed_lo, seed_hi, SR: tl.constexpr):
         """4-bit codes (uint8) of the scaled values v; ``index`` (int64 flat indices) is read with SR only."""
-        if SR:
-            code, _ = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
-        else:
-            code, _ = _e2m1_rne(v)
+        code, _ = _e2m1(v, index, seed_lo, seed_hi, SR)
         return tl.where(v == v, code, 0).to(tl.uint8)  # NaN: index 0, as the reference's comparisons give
 
     @_jit(do_not_specialize=("seed_lo", "seed_hi"))
@@ -678,10 +682,7 @@ if triton is not None:
         v = y * factor
         if MX:
             keep = v == v
-        if SR:
-            code, value = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
-        else:
-            code, value = _e2m1_rne(v)
+        code, value = _e2m1(v, index, seed_lo, seed_hi, SR)
         if FAKE:
             out = value * sf
         else:

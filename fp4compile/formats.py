@@ -400,10 +400,7 @@ def rht(x: torch.Tensor, size: int = 16, signs=None) -> torch.Tensor:
     """
     if x.shape[-1] % size:
         raise ValueError(f"RHT of size {size} needs the last dim to be a multiple of {size}, got shape {tuple(x.shape)}")
-    if signs is None:
-        scale = _default_rht_scale(size, x.device)
-    else:
-        scale = (_rht_signs(size, signs) * (1.0 / math.sqrt(size))).to(x.device)
+    scale = _default_rht_scale(size, x.device) if signs is None else _rht_scale(size, signs, x.device)
     lead = x.shape[:-1]
     chunks = x.shape[-1] // size
     z = x.float().reshape(*lead, chunks, size) * scale
@@ -416,11 +413,16 @@ def rht(x: torch.Tensor, size: int = 16, signs=None) -> torch.Tensor:
     return z.reshape(x.shape).to(x.dtype)
 
 
+def _rht_scale(size: int, signs, device) -> torch.Tensor:
+    """fp32(s[i] / sqrt(size)) on ``device``: what each chunk element is multiplied by first."""
+    return (_rht_signs(size, signs) * (1.0 / math.sqrt(size))).to(device)
+
+
 @functools.lru_cache(maxsize=None)
 def _default_rht_scale(size: int, device: torch.device) -> torch.Tensor:
-    """fp32(s[i] / sqrt(size)) for the default signs, kept on each device: copied there once, not on
-    every call (a host-to-device copy cannot be recorded in a CUDA graph)."""
-    return (_rht_signs(size, None) * (1.0 / math.sqrt(size))).to(device)
+    """``_rht_scale`` of the default signs, kept on each device: copied there once, not on every call
+    (a host-to-device copy cannot be recorded in a CUDA graph)."""
+    return _rht_scale(size, None, device)
 
 
 # ----------------------------------------------------------------------------------------------
