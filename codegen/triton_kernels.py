@@ -1084,10 +1084,11 @@ def quantize_1x16(
 
 def quantize_16x16(
     w: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
-    swizzle: bool = False,
+    swizzle: bool = False, amax_is_own: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """NVFP4 with 16x16 tiles over the last two dims (scales repeated on each row of a tile, as formats)."""
-    return _quantize_rows(w, "quantize_16x16", 16, rounding, seed, amax, swizzle, fake=False)
+    """NVFP4 with 16x16 tiles over the last two dims (scales repeated on each row of a tile, as formats);
+    ``amax`` and ``amax_is_own`` as ``quantize_1x16``."""
+    return _quantize_rows(w, "quantize_16x16", 16, rounding, seed, amax, swizzle, False, amax_is_own)
 
 
 def quantize_wgrad_operand(
@@ -1156,24 +1157,27 @@ def quantize_wgrad_operand_mxfp4(
 
 
 def fake_quantize_1x16(
-    x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None
+    x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
+    amax_is_own: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(value(code) * block scale as bf16 with x's shape, amax): ``formats.block_decode`` of quantize_1x16."""
-    return _quantize_rows(x, "fake_quantize_1x16", 1, rounding, seed, amax, swizzle=False, fake=True)
+    return _quantize_rows(x, "fake_quantize_1x16", 1, rounding, seed, amax, False, True, amax_is_own)
 
 
 def fake_quantize_16x16(
-    w: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None
+    w: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
+    amax_is_own: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(value(code) * tile scale as bf16, amax) for 16x16 tiles."""
-    return _quantize_rows(w, "fake_quantize_16x16", 16, rounding, seed, amax, swizzle=False, fake=True)
+    return _quantize_rows(w, "fake_quantize_16x16", 16, rounding, seed, amax, False, True, amax_is_own)
 
 
 def fake_quantize_wgrad_operand(
-    x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None
+    x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
+    amax_is_own: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block-decoded quantized RHT(x^T) as bf16 [K, tokens], amax)."""
-    return _quantize_wgrad(x, rounding, seed, amax, swizzle=False, fake=True)
+    return _quantize_wgrad(x, rounding, seed, amax, False, True, amax_is_own)
 
 
 def _decode(data, scales, amax, dtype, swizzled, apply_amax):
@@ -1273,7 +1277,7 @@ def fake_rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str)
     the ``[K, tokens]`` operand of an NVFP4 wgrad on CUDA, or None where it cannot take the call."""
     if fmt != "nvfp4" or rht_quantize_provider(x, size, fmt, block) is None:
         return None
-    return lambda x, rounding, seed: fake_quantize_wgrad_operand(x.t(), rounding, seed)
+    return lambda x, rounding, seed, **given: fake_quantize_wgrad_operand(x.t(), rounding, seed, **given)
 
 
 def rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str):
@@ -1291,4 +1295,4 @@ def rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str):
         return None
     if fmt == "mxfp4":
         return lambda x, rounding, seed: quantize_wgrad_operand_mxfp4(x.t(), rounding, seed)
-    return lambda x, rounding, seed: quantize_wgrad_operand(x.t(), rounding, seed)
+    return lambda x, rounding, seed, **given: quantize_wgrad_operand(x.t(), rounding, seed, **given)

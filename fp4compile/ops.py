@@ -8,9 +8,10 @@ in buffers; ``formats.QTensor`` is rebuilt inside the implementations.
 | op | meaning |
 |---|---|
 | ``fp4.gemm(a, b, role, site)`` | role-tagged C = a @ b.T (last two dims) in the compute dtype (before lowering) |
-| ``fp4.quantize(x, fmt, block, rounding, seed)`` | packed codes, block scales, global amax |
+| ``fp4.quantize(x, fmt, block, rounding, seed, check, amax=None)`` | packed codes, block scales, global amax (given: computed earlier) |
 | ``fp4.dequantize(data, scales, amax, fmt, block, dtype)`` | the exact decode of NUMERICS |
 | ``fp4.rht(x, size)`` | blockwise random Hadamard transform along the last dim |
+| ``fp4.wgrad_amax(x, size)`` | (max abs of x, max abs of rht(x.T)) from one read: the amaxes the quantize ops take |
 | ``fp4.scaled_mm(a, sa, amax_a, b, sb, amax_b, fmt, out_dtype, kernel)`` | FP4 GEMM, fp32 accumulate |
 | ``fp4.fake_quantize(x, fmt, block, rounding, seed)`` / ``fp4.fake_rht_quantize(x, size, ...)`` | block-decoded operand (bf16) and amax |
 | ``fp4.emulated_mm(a_bd, amax_a, b_bd, amax_b, fmt, out_dtype)`` | emulated FP4 GEMM on block-decoded operands |
@@ -89,27 +90,52 @@ def _host_stream(x: torch.Tensor, rounding: str, node: int, what: str) -> int:
     return runtime.sr_seed(node)
 
 
-def _quantize(x: torch.Tensor, fmt: str, block: str, rounding: str, node: int):
+def _given_amax(amax: Optional[torch.Tensor], fmt: str, x: torch.Tensor, what: str) -> dict:
+    """The keyword arguments that hand a kernel an operand's own amax computed by an earlier node."""
+    if amax is None:
+        return {}
+    if fmt != "nvfp4":
+        raise ValueError(f"fp4compile: {what} of a {tuple(x.shape)} tensor: only NVFP4 has a global amax to give, not {fmt}")
+    if amax.numel() != 1:
+        raise ValueError(f"fp4compile: {what} of a {tuple(x.shape)} tensor: amax must hold one value, got shape {tuple(amax.shape)}")
+    return {"amax": amax, "amax_is_own": True}
+
+
+def _own_amax(outputs: tuple, given: Optional[torch.Tensor]) -> tuple:
+    """A kernel's outputs with the amax it was given (returned as it is) copied: an op's output may not
+    alias its input."""
+    if given is None:
+        return outputs
+    return (*outputs[:-1], outputs[-1].clone())
+
+
+def _quantize(x: torch.Tensor, fmt: str, block: str, rounding: str, node: int, amax: Optional[torch.Tensor] = None):
+    given = _given_amax(amax, fmt, x, "fp4.quantize")
     kernel = runtime.quantize_kernel(x, fmt, block)
     if kernel is not None:
-        return kernel(x, rounding, _kernel_stream(x, rounding, node))
+        return _own_amax(kernel(x, rounding, _kernel_stream(x, rounding, node), **given), amax)
     stream = _host_stream(x, rounding, node, "fp4.quantize")
-    q = formats.quantize(x, fmt, block, rounding, seed=stream)
+    q = formats.quantize(x, fmt, block, rounding, seed=stream, amax=amax)
     amax = q.amax if q.amax is not None else x.float().abs().amax()
     return q.data.view(torch.uint8), q.scales.view(torch.uint8), amax
 
 
 @torch.library.custom_op("fp4::quantize", mutates_args=())
 def quantize(
-    x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str
+    x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str,
+    amax: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (packed codes uint8 [M, K/2], block scales uint8 [M, K/block], amax fp32 0-dim).
+
+    ``amax`` (NVFP4): x's own max |x|, computed by an earlier node (the ``fuse_amax`` pass has the
+    operand's producer or ``fp4.wgrad_amax`` compute it); the kernel then makes no amax pass of its own.
+    It must be exactly that value: the quantizer trusts it.
 
     With ``rounding == "sr"`` the random stream is ``runtime.sr_seed(seed)``: the graph's constant mixed
     with the SR state, which advances on every compiled call made with gradients enabled. A non-empty ``check`` names the
     operand ("layer role operand"): non-finite input then raises ``FloatingPointError``.
     """
-    data, scales, amax = _quantize(x, fmt, block, rounding, seed)
+    data, scales, amax = _quantize(x, fmt, block, rounding, seed, amax)
     _check_finite(check, amax, x)
     return data, scales, amax
 
@@ -123,7 +149,7 @@ def _check_finite(check: str, amax: torch.Tensor, x: torch.Tensor, rht_size: int
 
 
 @quantize.register_fake
-def _quantize_fake(x, fmt, block, rounding, seed, check):
+def _quantize_fake(x, fmt, block, rounding, seed, check, amax=None):
     cols = formats._BLOCK_SHAPES[block][1]
     shape = x.shape[:-1]
     return (
@@ -135,7 +161,8 @@ def _quantize_fake(x, fmt, block, rounding, seed, check):
 
 @torch.library.custom_op("fp4::rht_quantize", mutates_args=())
 def rht_quantize(
-    x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str
+    x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str,
+    amax: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fp4.quantize(fp4.rht(x, size), ...)`` in one op: what the weight-gradient operands need.
 
@@ -143,19 +170,42 @@ def rht_quantize(
     the two ops. Where a fused kernel takes the call (on CUDA: for NVFP4 a Triton kernel pair, for MXFP4
     1x32 one Triton kernel, that reads x, transforms it summing in the reference's order, and quantizes)
     the RHT output is never written out. Elsewhere the op runs ``formats.rht`` and then the quantizer.
+    A given ``amax`` (NVFP4) is that of ``formats.rht(x, size)`` (``fp4.wgrad_amax``'s second result).
     """
+    given = _given_amax(amax, fmt, x, "fp4.rht_quantize")
     kernel = runtime.rht_quantize_kernel(x, size, fmt, block)
     if kernel is not None:
-        data, scales, amax = kernel(x, rounding, _kernel_stream(x, rounding, seed))
+        data, scales, amax = _own_amax(kernel(x, rounding, _kernel_stream(x, rounding, seed), **given), amax)
     else:
-        data, scales, amax = _quantize(formats.rht(x, size), fmt, block, rounding, seed)
+        data, scales, amax = _quantize(formats.rht(x, size), fmt, block, rounding, seed, amax)
     _check_finite(check, amax, x, size)
     return data, scales, amax
 
 
 @rht_quantize.register_fake
-def _(x, size, fmt, block, rounding, seed, check):
+def _(x, size, fmt, block, rounding, seed, check, amax=None):
     return _quantize_fake(x, fmt, block, rounding, seed, check)
+
+
+@torch.library.custom_op("fp4::wgrad_amax", mutates_args=())
+def wgrad_amax(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max |x|, max |formats.rht(x.T, size)|) as fp32 0-dim tensors, for x [tokens, K]: the two global
+    amaxes a tensor quantized both for a forward/dgrad GEMM (1x16 along K) and for the weight-gradient
+    GEMM (RHT along tokens) needs, from one read of x on CUDA (a Triton kernel; ``size`` 16, tokens a
+    multiple of 16). NaN where the tensor (or its transform) holds a NaN, as ``torch.amax``."""
+    if x.dim() != 2:
+        raise ValueError(f"fp4.wgrad_amax takes a [tokens, K] tensor, got shape {tuple(x.shape)}")
+    if x.is_cuda and size == 16 and x.shape[0] % 16 == 0 and x.numel() and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        from fp4compile.codegen import triton_kernels
+
+        if triton_kernels.available()[0]:
+            return triton_kernels.wgrad_amax(x)
+    return x.float().abs().amax(), formats.rht(x.t(), size).float().abs().amax()
+
+
+@wgrad_amax.register_fake
+def _(x, size):
+    return x.new_empty((), dtype=torch.float32), x.new_empty((), dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,42 +221,46 @@ def _decoded(data, scales, amax, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.library.custom_op("fp4::fake_quantize", mutates_args=())
 def fake_quantize(
-    x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str
+    x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str,
+    amax: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block-decoded ``fp4.quantize(x, ...)`` in bfloat16 with x's shape, amax): the same codes and
     scales, handed to the emulated GEMM already decoded (``fp4.emulated_mm``). Where a kernel takes the
     call (on CUDA, NVFP4: one Triton pass after the amax pass) the packed codes are never written and
-    no separate decode pass runs. Seeds and the ``check`` label as ``fp4.quantize``."""
+    no separate decode pass runs. Seeds, the ``check`` label and a given ``amax`` as ``fp4.quantize``."""
     kernel = runtime.fake_quantize_kernel(x, fmt, block)
     if kernel is None:
-        return _decoded(*torch.ops.fp4.quantize.default(x, fmt, block, rounding, seed, check), fmt)
-    decoded, amax = kernel(x, rounding, _kernel_stream(x, rounding, seed))
+        return _decoded(*torch.ops.fp4.quantize.default(x, fmt, block, rounding, seed, check, amax), fmt)
+    given = _given_amax(amax, fmt, x, "fp4.fake_quantize")
+    decoded, amax = _own_amax(kernel(x, rounding, _kernel_stream(x, rounding, seed), **given), amax)
     _check_finite(check, amax, x)
     return decoded, amax
 
 
 @fake_quantize.register_fake
-def _(x, fmt, block, rounding, seed, check):
+def _(x, fmt, block, rounding, seed, check, amax=None):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
 
 
 @torch.library.custom_op("fp4::fake_rht_quantize", mutates_args=())
 def fake_rht_quantize(
-    x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str
+    x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str,
+    amax: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block-decoded ``fp4.rht_quantize(x, size, ...)`` in bfloat16, amax): the weight-gradient operand
     as ``fp4.emulated_mm`` reads it. On CUDA (NVFP4) the fused transpose + RHT + quantize kernel writes
-    the decoded values directly."""
+    the decoded values directly. A given ``amax`` as ``fp4.rht_quantize``."""
     kernel = runtime.fake_rht_quantize_kernel(x, size, fmt, block)
     if kernel is None:
-        return _decoded(*torch.ops.fp4.rht_quantize.default(x, size, fmt, block, rounding, seed, check), fmt)
-    decoded, amax = kernel(x, rounding, _kernel_stream(x, rounding, seed))
+        return _decoded(*torch.ops.fp4.rht_quantize.default(x, size, fmt, block, rounding, seed, check, amax), fmt)
+    given = _given_amax(amax, fmt, x, "fp4.fake_rht_quantize")
+    decoded, amax = _own_amax(kernel(x, rounding, _kernel_stream(x, rounding, seed), **given), amax)
     _check_finite(check, amax, x, size)
     return decoded, amax
 
 
 @fake_rht_quantize.register_fake
-def _(x, size, fmt, block, rounding, seed, check):
+def _(x, size, fmt, block, rounding, seed, check, amax=None):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
 
 

@@ -161,6 +161,8 @@ def device_seed(node_constant: int, device) -> DeviceSeed:
 # Fast quantize kernels by device type: each takes (x, fmt, block) and returns a callable
 # (x, rounding, seed) -> (data, scales, amax), or None where it cannot take the call. ``seed`` is the
 # SR seed as an int, or for CUDA tensors a ``DeviceSeed`` (the kernel computes the seed on the device).
+# NVFP4 kernels also take ``amax=<x's own amax, fp32 tensor>, amax_is_own=True`` (an amax computed by
+# an earlier node: the kernel makes no amax pass); every provider kind below takes them likewise.
 _quantize_providers: list[Callable] = []
 
 

@@ -6,7 +6,7 @@ aot_autograd traces from the marked graph (they see the three role-tagged GEMMs 
 
     find_gemm_sites -> find_blocks -> assign_precision -> [user passes] -> mark_fp4_linear
     ──aot_autograd──▶ plan_gemm_roles -> insert_rht -> insert_quantize -> lower_scaled_mm
-                      -> fuse_rht_quantize -> decode_for_emulation
+                      -> fuse_rht_quantize -> decode_for_emulation -> fuse_amax
 
 Every pass is ``fn(gm, ctx) -> gm`` in its own module, with a docstring saying what it requires and
 guarantees. ``print_pipeline()`` prints this list; ``FP4COMPILE_PRINT_IR_AFTER=all`` (or a comma list
@@ -26,6 +26,7 @@ from .assign_precision import assign_precision
 from .decode_for_emulation import decode_for_emulation
 from .find_blocks import find_blocks
 from .find_gemm_sites import find_gemm_sites
+from .fuse_amax import fuse_amax
 from .fuse_rht_quantize import fuse_rht_quantize
 from .insert_quantize import insert_quantize
 from .insert_rht import insert_rht
@@ -39,7 +40,7 @@ DYNAMO_PASSES: list[Pass] = [find_gemm_sites, find_blocks, assign_precision, mar
 # User precision passes are inserted at this index of DYNAMO_PASSES (after assign_precision).
 USER_PASS_INDEX = DYNAMO_PASSES.index(assign_precision) + 1
 AOT_PASSES: list[Pass] = [
-    plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize, decode_for_emulation,
+    plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize, decode_for_emulation, fuse_amax,
 ]
 
 

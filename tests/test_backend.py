@@ -371,3 +371,32 @@ def test_decoded_operands_follow_cuda_graphs_unless_set():
         for value in (True, False):
             backend = Backend(mode=mode, decoded_operands=value)
             assert backend._effective_recipe(backend._inductor_config(0)).decoded_operands is value
+
+
+def test_fuse_amax_through_inductor_keeps_the_bits(monkeypatch):
+    """The amax nodes ``fuse_amax`` adds (applied on CUDA; forced here on the CPU) compile with Inductor and
+    give the training step the bits it has with each quantizer's own amax pass."""
+    from fp4compile.passes import fuse_amax as amax_module
+
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(4))
+    results = []
+    for forced in (False, True):
+        torch._dynamo.reset()
+        if forced:
+            monkeypatch.setattr(amax_module, "applies", lambda node: True)
+        fp4compile.manual_seed(11)
+        model = _gpt(n_layer=4)
+        backend = Backend()
+        logits, loss = _train_step(model, backend, idx)
+        sources = [s for gr in backend.report.graphs if gr.pass_name == "fuse_amax" for s in [gr.code.count("wgrad_amax.default(")]]
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        results.append((logits.detach(), grads, sum(sources)))
+    (l0, g0, shared0), (l1, g1, shared1) = results
+    assert shared0 == 0 and shared1 > 0
+    assert torch.equal(l0, l1)
+    # The embedding gradient is a scatter-add whose summation order follows Inductor's kernel choice,
+    # which the new nodes may change: equal to fp32 rounding. Every other gradient keeps its bits.
+    torch.testing.assert_close(g1.pop("tok_emb.weight"), g0.pop("tok_emb.weight"), rtol=1e-6, atol=1e-9)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name

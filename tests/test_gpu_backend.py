@@ -126,3 +126,46 @@ def test_gpu_decoded_operands_give_the_bits_of_packed_ones(fresh_dynamo):
         assert all(("fp4.scaled_mm" in code) != decoded for code in final)
     for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)
+
+
+class NormMLP(torch.nn.Module):
+    """LayerNorm -> Linear -> GELU -> Linear: both X operands have producers Inductor fuses a row max into."""
+
+    def __init__(self, d=256):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)])
+
+    def forward(self, x):
+        return self.blocks[1](torch.nn.functional.gelu(self.blocks[0](self.norm(x))))
+
+
+@pytest.mark.parametrize("decoded", [False, True])
+def test_gpu_fuse_amax_keeps_the_bits(fresh_dynamo, monkeypatch, decoded):
+    """On CUDA ``fuse_amax`` gives X its amax from the producer and dY one wgrad_amax read for both of its
+    quantizations; the step keeps the bits it has with every quantizer's own amax pass."""
+    from fp4compile.passes import fuse_amax as amax_module
+
+    torch.manual_seed(0)
+    model = NormMLP()
+    x = torch.randn(4, 256, 256, device="cuda")
+    g = torch.randn(4, 256, 256, device="cuda")
+    applies = amax_module.applies
+    results = {}
+    for on in (True, False):
+        torch._dynamo.reset()
+        monkeypatch.setattr(amax_module, "applies", applies if on else (lambda node: False))
+        runtime.manual_seed(11)
+        m = NormMLP().cuda()
+        m.load_state_dict(model.state_dict())
+        backend = Backend(high_precision_first_blocks=0, high_precision_last_blocks=0, decoded_operands=decoded)
+        xd = x.clone().requires_grad_()
+        with torch.autocast("cuda", torch.bfloat16):
+            y = torch.compile(m, backend=backend)(xd)
+        (y.float() * g).sum().backward()
+        results[on] = [y.detach(), xd.grad] + [p.grad for p in m.parameters()]
+        final = [gr.code for gr in backend.report.graphs if gr.pass_name == "fuse_amax"]
+        assert len(final) == 2
+        assert ("fp4.wgrad_amax" in final[1]) == on and ("aten.amax" in final[0]) == on
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)

@@ -192,7 +192,7 @@ def test_stochastic_rounding_only_on_gradient_operands(explained):
 def test_graph_after_each_pass_and_diff(explained):
     report = explained.report
     assert report.pass_names("backward") == ["input", "plan_gemm_roles", "insert_rht", "insert_quantize", "lower_scaled_mm",
-                                             "fuse_rht_quantize", "decode_for_emulation"]
+                                             "fuse_rht_quantize", "decode_for_emulation", "fuse_amax"]
     assert "fp4.rht" not in report.graph("backward", "plan_gemm_roles")
     assert report.graph("backward", "insert_rht").count("torch.ops.fp4.rht.default(") == 8
     diff = report.diff("backward", "insert_rht")

@@ -6,16 +6,19 @@ import operator
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified
 from functorch.compile import make_boxed_func
 
 from fp4compile import Recipe, ops
 from fp4compile.passes import decode_for_emulation as decode_module
+from fp4compile.passes import fuse_amax as amax_module
 from fp4compile.passes.assign_precision import assign_precision
 from fp4compile.passes.decode_for_emulation import decode_for_emulation
 from fp4compile.passes.find_blocks import find_blocks
 from fp4compile.passes.find_gemm_sites import find_gemm_sites
+from fp4compile.passes.fuse_amax import fuse_amax
 from fp4compile.passes.fuse_rht_quantize import fuse_rht_quantize
 from fp4compile.passes.insert_quantize import insert_quantize
 from fp4compile.passes.insert_rht import insert_rht
@@ -335,3 +338,97 @@ def test_decode_for_emulation_needs_a_sole_consumer(marked, monkeypatch):
     graphs = aot_graphs(gm, example, ctx, LOWERED + [share_one_amax, decode_for_emulation])
     assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 1
     assert len(role_nodes(graphs["forward"], F4.emulated_mm.default)) == 3
+
+
+def _amax_sources(graph):
+    return sorted(
+        (n.meta["fp4_quantize"]["operand"], n.meta["fp4_quantize"]["amax"]) for n in graph.graph.nodes
+        if n.target in (F4.quantize.default, F4.rht_quantize.default, F4.fake_quantize.default, F4.fake_rht_quantize.default)
+    )
+
+
+@pytest.mark.parametrize("decoded", [False, True])
+def test_fuse_amax_gives_quantizers_their_amax_with_the_same_bits(marked, monkeypatch, decoded):
+    """Where it applies (CUDA; forced here on the CPU): forward X operands take the amax from their producer,
+    backward dY from one fp4.wgrad_amax shared with its wgrad twin; weights and X^T keep their own pass.
+    Outputs and gradients keep their bits."""
+    gm, example, ctx = marked
+    import fp4compile
+
+    passes = LOWERED + ([decode_for_emulation] if decoded else [])
+    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    ctx.recipe = ctx.recipe.replace(decoded_operands=decoded)
+    fp4compile.manual_seed(5)
+    _, y_ref, grads_ref = _run_with_grads(gm, example, ctx, passes)
+    monkeypatch.setattr(amax_module, "applies", lambda node: True)
+    fp4compile.manual_seed(5)
+    graphs, y, grads = _run_with_grads(gm, example, ctx, passes + [fuse_amax])
+    forward, backward = graphs["forward"], graphs["backward"]
+    assert _amax_sources(forward) == [("W", "own pass")] * 4 + [("X", "producer")] * 4
+    assert _amax_sources(backward) == (
+        [("W^T", "own pass")] * 4 + [("X^T", "own pass")] * 4 + [("dY", "wgrad_amax")] * 4 + [("dY^T", "wgrad_amax")] * 4
+    )
+    assert len(role_nodes(forward, torch.ops.aten.amax.default)) == 8  # a row max and a max over rows each
+    shared = role_nodes(backward, F4.wgrad_amax.default)
+    assert len(shared) == 4
+    for node in shared:
+        readers = {u.target for item in node.users for u in item.users}
+        assert readers == ({F4.fake_quantize.default, F4.fake_rht_quantize.default} if decoded
+                           else {F4.quantize.default, F4.rht_quantize.default})
+        assert len(node.users) == 2
+    assert torch.equal(y, y_ref)
+    assert len(grads) == len(grads_ref) > 0
+    for g, g_ref in zip(grads, grads_ref):
+        assert torch.equal(g, g_ref)
+
+
+def test_fuse_amax_needs_cuda(marked):
+    gm, example, ctx = marked
+    graphs = aot_graphs(gm, example, ctx, LOWERED + [fuse_amax])
+    for graph in graphs.values():
+        assert role_nodes(graph, F4.wgrad_amax.default) == []
+        assert role_nodes(graph, torch.ops.aten.amax.default) == []
+        assert {src for _, src in _amax_sources(graph)} == {"own pass"}
+
+
+def test_fuse_amax_producer_rule():
+    """Only producers Inductor compiles into its own kernels take the row max; graph inputs, GEMMs,
+    attention and fp4 ops do not (their operands keep the quantizer's amax pass)."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    w = g.placeholder("w")
+    relu = g.call_function(torch.ops.aten.relu.default, (x,))
+    mm = g.call_function(torch.ops.aten.mm.default, (x, w))
+    ln = g.call_function(torch.ops.aten.native_layer_norm.default, (x, [32], None, None, 1e-5))
+    ln_out = g.call_function(operator.getitem, (ln, 0))
+    sdpa = g.call_function(torch.ops.aten._scaled_dot_product_flash_attention.default, (x, x, x))
+    attn = g.call_function(operator.getitem, (sdpa, 0))
+    q = g.call_function(F4.quantize.default, (x, "nvfp4", "1x16", "rne", 0, ""))
+    codes = g.call_function(operator.getitem, (q, 0))
+    view = lambda n: g.call_function(torch.ops.aten.view.default, (g.call_function(torch.ops.aten.t.default, (n,)), [-1]))
+    fusible = amax_module.producer_is_fusible
+    assert fusible(relu) and fusible(view(relu)) and fusible(ln_out)
+    assert not fusible(x) and not fusible(view(x)) and not fusible(mm) and not fusible(view(mm))
+    assert not fusible(attn) and not fusible(codes)
+
+
+def test_quantize_ops_take_a_given_amax_for_nvfp4_only():
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    amax = x.float().abs().amax()
+    with pytest.raises(ValueError, match="only NVFP4 has a global amax to give, not mxfp4"):
+        F4.quantize(x, "mxfp4", "1x32", "rne", 0, "", amax)
+    with pytest.raises(ValueError, match=r"amax must hold one value, got shape \(2,\)"):
+        F4.quantize(x, "nvfp4", "1x16", "rne", 0, "", torch.ones(2))
+    # The reference keeps a non-finite own amax visible whatever amax it is given.
+    bad = x.clone()
+    bad[3, 5] = float("nan")
+    assert torch.isnan(F4.quantize(bad, "nvfp4", "1x16", "rne", 0, "", amax)[2])
+    rows, rht = F4.wgrad_amax(x, 16)
+    assert torch.equal(rows, amax)
+    from fp4compile import formats
+
+    assert torch.equal(rht, formats.rht(x.t(), 16).float().abs().amax())
+    for rounding in ("rne", "sr"):
+        want = F4.rht_quantize(x.t(), 16, "nvfp4", "1x16", rounding, 9, "")
+        got = F4.rht_quantize(x.t(), 16, "nvfp4", "1x16", rounding, 9, "", rht)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -263,6 +263,12 @@ def test_own_amax_is_one_pass_with_the_same_bits(rounding, fill):
     assert_same_quantization(*out, formats.quantize(x, rounding=rounding, seed=3))
     out = tk.quantize_wgrad_operand(xd, rounding, seed=3, amax=amax_rht, amax_is_own=True)
     assert_same_quantization(*out, wgrad_reference(x, rounding, seed=3))
+    bd, amax = tk.fake_quantize_1x16(xd, rounding, seed=3, amax=amax_x, amax_is_own=True)
+    assert_same_float(bd, formats.block_decode(formats.quantize(x, rounding=rounding, seed=3)).to(torch.bfloat16))
+    bd, amax = tk.fake_quantize_wgrad_operand(xd, rounding, seed=3, amax=amax_rht, amax_is_own=True)
+    assert_same_float(bd, formats.block_decode(wgrad_reference(x, rounding, seed=3)).to(torch.bfloat16))
+    out = tk.quantize_16x16(xd, amax=amax_x, amax_is_own=True)
+    assert_same_quantization(*out, formats.quantize(x, block="16x16"))
     with pytest.raises(ValueError, match="amax_is_own"):
         tk.quantize_1x16(xd, amax_is_own=True)
 

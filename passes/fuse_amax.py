@@ -1,0 +1,170 @@
+"""fuse_amax: NVFP4 quantizers take their global amax from the operand's producer or a shared pass.
+
+Requires: ``fuse_rht_quantize`` (and runs after ``decode_for_emulation``, on its final nodes).
+Guarantees: on CUDA graphs (elsewhere the pass changes nothing), NVFP4 quantize nodes
+(``fp4.quantize`` / ``fp4.fake_quantize`` with 1x16 blocks, ``fp4.rht_quantize`` /
+``fp4.fake_rht_quantize``) get their ``amax`` argument from an earlier node, so their kernel makes one
+pass over the operand instead of two (an amax pass, then the quantizing pass):
+
+- a tensor quantized both along K (dgrad's dY) and, transposed with the RHT, along tokens (wgrad's
+  dY^T) gets both amaxes from one ``fp4.wgrad_amax`` node, one read of the tensor for the two;
+- any other 1x16 operand whose producer Inductor compiles into a kernel of its own making (a layer
+  norm, an activation function, a residual sum: anything but a graph input, a GEMM, attention or an
+  ``fp4`` op) gets ``amax(amax(abs(x), -1))`` in the graph: a row-wise max Inductor fuses into the
+  producer's kernel, then a max over the rows.
+
+The amax is exact (a maximum, no rounding), so codes, scales and amax keep their bits. Quantizers with
+an amax already, sharded-amax operands (``fp4.quantize_sharded``), MXFP4 (no global scale) and 16x16
+weights (read from a graph input) keep their own amax pass. ``fp4_quantize`` metadata records where
+each amax comes from (``amax``: ``producer``, ``wgrad_amax`` or ``own pass``).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fp4compile.sites import CompileContext
+
+from .decode_for_emulation import FAKE_QUANTIZE, FAKE_RHT_QUANTIZE
+from .fuse_rht_quantize import RHT_QUANTIZE
+from .insert_quantize import QUANTIZE
+
+aten = torch.ops.aten
+WGRAD_AMAX = torch.ops.fp4.wgrad_amax.default
+ROWS = (QUANTIZE, FAKE_QUANTIZE)
+TRANSFORMED = (RHT_QUANTIZE, FAKE_RHT_QUANTIZE)
+# Ops that only relabel memory: the producer is behind them.
+VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+    aten.permute.default, aten.alias.default, aten.expand.default, aten.squeeze.dim, aten.unsqueeze.default,
+}
+# Multi-output ops Inductor computes in a kernel of its own (their results come through getitem).
+FUSIBLE_MULTI = {
+    aten.native_layer_norm.default, aten.native_layer_norm_backward.default, aten.var_mean.correction,
+    aten.native_group_norm.default, aten.native_batch_norm.default,
+}
+# Single-output ops Inductor hands to a library (cuBLAS, cuDNN, flash attention): no fusion there.
+EXTERN_WORDS = ("mm", "conv", "attention", "_scaled", "cudnn", "cufft", "fft", "sort", "scatter", "index_put")
+
+
+def applies(node: fx.Node) -> bool:
+    """Whether the quantize ``node`` runs where a separate amax pass costs a read: a CUDA device."""
+    x = node.args[0]
+    val = x.meta.get("val") if isinstance(x, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.device.type == "cuda"
+
+
+def _behind_views(node: fx.Node) -> fx.Node:
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in VIEWS:
+        node = node.args[0]
+    return node
+
+
+def producer_is_fusible(x: fx.Node) -> bool:
+    """Whether Inductor computes ``x`` (through views) in a kernel of its own that can take a reduction."""
+    node = _behind_views(x)
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False  # a graph input or a constant: a separate read either way
+    if node.target is operator.getitem:
+        return node.args[0].op == "call_function" and node.args[0].target in FUSIBLE_MULTI
+    namespace = getattr(node.target, "namespace", "")
+    if namespace not in ("aten", "prims"):
+        return False  # fp4 ops and other custom ops are opaque kernels
+    name = node.target.name() if hasattr(node.target, "name") else str(node.target)
+    return not any(word in name for word in EXTERN_WORDS)
+
+
+def _is_2d_transpose_of(node: fx.Node, base: fx.Node) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return False
+    if node.target is aten.t.default or (node.target is aten.permute.default and list(node.args[1]) == [1, 0]):
+        return node.args[0] is base
+    return False
+
+
+def _fmt_block(node: fx.Node) -> tuple:
+    return (node.args[2], node.args[3]) if node.target in TRANSFORMED else (node.args[1], node.args[2])
+
+
+def _amax_arg_index(node: fx.Node) -> int:
+    return 8 if node.target in TRANSFORMED else 7
+
+
+def _has_amax(node: fx.Node) -> bool:
+    i = _amax_arg_index(node) - 1
+    return len(node.args) > i and node.args[i] is not None or node.kwargs.get("amax") is not None
+
+
+def _give_amax(node: fx.Node, amax: fx.Node, source: str) -> None:
+    i = _amax_arg_index(node) - 1
+    node.args = (*node.args[:i], amax)
+    if "fp4_quantize" in node.meta:
+        node.meta["fp4_quantize"] = dict(node.meta["fp4_quantize"], amax=source)
+
+
+def _call(graph: fx.Graph, target, args, val) -> fx.Node:
+    node = graph.call_function(target, args)
+    node.meta["val"] = val
+    return node
+
+
+def _producer_amax(gm: fx.GraphModule, q: fx.Node) -> fx.Node:
+    """amax(amax(abs(x), -1)) as fp32, inserted before ``q``: Inductor fuses the row max into x's producer."""
+    x = q.args[0]
+    val = x.meta["val"]
+    g = gm.graph
+    with g.inserting_before(q):
+        a = _call(g, aten.abs.default, (x,), aten.abs.default(val))
+        rows = _call(g, aten.amax.default, (a, [-1]), aten.amax.default(a.meta["val"], [-1]))
+        dims = list(range(rows.meta["val"].dim()))
+        out = _call(g, aten.amax.default, (rows, dims), aten.amax.default(rows.meta["val"], dims))
+        if val.dtype != torch.float32:
+            out = _call(g, torch.ops.prims.convert_element_type.default, (out, torch.float32),
+                        out.meta["val"].to(torch.float32))
+    return out
+
+
+def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    nvfp4 = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ROWS + TRANSFORMED and _fmt_block(n)[0] == "nvfp4"]
+    quantizers = [n for n in nvfp4 if _fmt_block(n)[1] == "1x16" and not _has_amax(n) and applies(n)]
+    rows = [n for n in quantizers if n.target in ROWS]
+    shared = fused = 0
+    taken = set()
+    for r in (n for n in quantizers if n.target in TRANSFORMED):
+        x, size = r.args[0], r.args[1]
+        partner = next(
+            (q for q in rows if q not in taken and isinstance(q.args[0], fx.Node) and _is_2d_transpose_of(x, q.args[0])),
+            None,
+        )
+        if partner is None:
+            continue
+        base = partner.args[0]
+        first = min(r, partner, key=order.__getitem__)
+        with gm.graph.inserting_before(first):
+            vals = WGRAD_AMAX(base.meta["val"], size)
+            both = _call(gm.graph, WGRAD_AMAX, (base, size), vals)
+            amaxes = [_call(gm.graph, operator.getitem, (both, j), vals[j]) for j in (0, 1)]
+        _give_amax(partner, amaxes[0], "wgrad_amax")
+        _give_amax(r, amaxes[1], "wgrad_amax")
+        taken.add(partner)
+        shared += 1
+    for q in rows:
+        if q in taken:
+            continue
+        if producer_is_fusible(q.args[0]):
+            _give_amax(q, _producer_amax(gm, q), "producer")
+            fused += 1
+    for n in nvfp4:
+        if "fp4_quantize" in n.meta and "amax" not in n.meta["fp4_quantize"]:
+            n.meta["fp4_quantize"] = dict(n.meta["fp4_quantize"], amax="given" if _has_amax(n) else "own pass")
+    gm.graph.lint()
+    gm.recompile()
+    ctx.note(
+        f"graph {ctx.graph_id}: {shared} tensors share one amax read between their two quantizations, "
+        f"{fused} quantizers take the amax from their operand's producer"
+    )
+    return gm
