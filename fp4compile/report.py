@@ -342,6 +342,7 @@ _KIND_BY_TARGET = {
     torch.ops.fp4.fake_quantize.default: "quantize",
     torch.ops.fp4.fake_rht_quantize.default: "rht_quantize",
     torch.ops.fp4.emulated_mm.default: "fp4_gemm",
+    torch.ops.fp4.block_mm.default: "fp4_gemm",
     ops.linear: "fp4_gemm",  # the dynamo graph's marked linears
     **{t: "high_gemm" for t in (*LINEAR_TARGETS, *MATMUL_TARGETS)},  # the dynamo graph's other GEMMs
 }

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified
 from functorch.compile import make_boxed_func
 
-from fp4compile import Recipe, ops
+from fp4compile import Recipe, formats, ops
 from fp4compile.passes import decode_for_emulation as decode_module
 from fp4compile.passes import fuse_amax as amax_module
 from fp4compile.passes.assign_precision import assign_precision
@@ -278,7 +278,7 @@ def test_decode_for_emulation_needs_cuda_and_the_recipe_flag(marked, monkeypatch
     assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 4
     assert len(role_nodes(graphs["backward"], F4.scaled_mm.default)) == 8
     for graph in graphs.values():
-        assert role_nodes(graph, F4.emulated_mm.default) == []
+        assert role_nodes(graph, F4.block_mm.default) == []
 
 
 def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked, monkeypatch):
@@ -301,9 +301,9 @@ def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked,
     for graph in (forward, backward):
         for target in (F4.scaled_mm.default, F4.quantize.default, F4.rht_quantize.default, F4.dequantize.default):
             assert role_nodes(graph, target) == [], target
-    assert len(role_nodes(forward, F4.emulated_mm.default)) == 4
+    assert len(role_nodes(forward, F4.block_mm.default)) == 4
     assert len(role_nodes(forward, F4.fake_quantize.default)) == 8
-    assert len(role_nodes(backward, F4.emulated_mm.default)) == 8
+    assert len(role_nodes(backward, F4.block_mm.default)) == 8
     assert len(role_nodes(backward, F4.fake_quantize.default)) == 8  # dY and W^T of dgrad
     assert len(role_nodes(backward, F4.fake_rht_quantize.default)) == 8  # both wgrad operands
     decoded = [n for g in (forward, backward) for n in g.graph.nodes
@@ -314,8 +314,17 @@ def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked,
         assert meta["decoded"] is True
         want = quantize_args[(meta["site"], meta["operand"], meta["role"])]
         assert node.args[1:] == want[1:] and node.args[0].name == want[0].name  # same operand, seed, label
-    for mm in role_nodes(backward, F4.emulated_mm.default):
-        assert mm.meta["fp4_role"].role in ("dgrad", "wgrad") and mm.args[4:] == ("nvfp4", torch.float32)
+    for mm in role_nodes(backward, F4.block_mm.default):
+        assert mm.meta["fp4_role"].role in ("dgrad", "wgrad") and mm.meta["val"].dtype == torch.float32
+        # The epilogue: two multiplies by the operands' global decode scales (amax * fp32(1/2688)).
+        (scale_a,) = mm.users
+        assert scale_a.target is torch.ops.aten.mul.Tensor
+        (scale_b,) = scale_a.users
+        assert scale_b.target is torch.ops.aten.mul.Tensor
+        for mul, operand in ((scale_a, mm.args[0]), (scale_b, mm.args[1])):
+            factor = mul.args[1]
+            assert factor.target is torch.ops.aten.mul.Tensor and factor.args[1] == formats.NVFP4_GLOBAL_INV
+            assert factor.args[0].args == (operand.args[0], 1)  # the amax of that operand's quantizer
     assert torch.equal(y, y_ref)
     assert len(grads) == len(grads_ref) > 0
     for g, g_ref in zip(grads, grads_ref):
@@ -337,7 +346,7 @@ def test_decode_for_emulation_needs_a_sole_consumer(marked, monkeypatch):
 
     graphs = aot_graphs(gm, example, ctx, LOWERED + [share_one_amax, decode_for_emulation])
     assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 1
-    assert len(role_nodes(graphs["forward"], F4.emulated_mm.default)) == 3
+    assert len(role_nodes(graphs["forward"], F4.block_mm.default)) == 3
 
 
 def _amax_sources(graph):
