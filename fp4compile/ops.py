@@ -48,18 +48,25 @@ def _qtensor(data, scales, amax, fmt, block, shape, dtype=torch.float32) -> form
 
 
 @torch.library.custom_op("fp4::gemm", mutates_args=())
-def gemm(a: torch.Tensor, b: torch.Tensor, role: str, site: int, dtype: torch.dtype) -> torch.Tensor:
+def gemm(
+    a: torch.Tensor, b: torch.Tensor, role: str, site: int, dtype: torch.dtype,
+    b_codes: Optional[torch.Tensor] = None, b_scales: Optional[torch.Tensor] = None,
+    b_amax: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """C = a @ b.T in ``dtype`` (the model's compute dtype) with a [M, K], b [N, K], or batched
     a [..., M, K], b [..., N, K] with the same leading dims (activation matmuls).
 
     Operands arrive as the model holds them (e.g. fp32 master weights under BF16 autocast), so that
-    quantization reads the full-precision tensor and fprop and dgrad quantize the same weight.
+    quantization reads the full-precision tensor. ``b_codes, b_scales, b_amax``, where given, are b's
+    NVFP4 16x16-tile quantization made once for fprop and dgrad (``linear(..., share_weight=...)``):
+    ``insert_quantize`` uses it instead of quantizing b again. Before the passes lower it, the op
+    computes the high-precision product and ignores it.
     """
     return a.to(dtype) @ b.to(dtype).transpose(-2, -1)
 
 
 @gemm.register_fake
-def _(a, b, role, site, dtype):
+def _(a, b, role, site, dtype, b_codes=None, b_scales=None, b_amax=None):
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=dtype)
 
 
@@ -265,6 +272,45 @@ def _(x, size, fmt, block, rounding, seed, check, amax=None):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
 
 
+@torch.library.custom_op("fp4::transpose_quantized", mutates_args=())
+def transpose_quantized(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of W^T from those of W [N, K] quantized with NVFP4 16x16 tiles: codes [K, N/2] and
+    scales [K, N/16] (the tile scales, repeated on each row, as ``formats`` stores them). Bit for bit
+    what quantizing W^T gives (NUMERICS: one quantized weight for fprop and dgrad), without reading W."""
+    n, k = data.shape[0], data.shape[1] * 2
+    if data.dim() != 2 or n % 16 or k % 16 or tuple(scales.shape) != (n, k // 16):
+        raise ValueError(
+            f"fp4.transpose_quantized takes a 16x16-tile quantized [N, K] weight (N, K multiples of 16): "
+            f"got codes {tuple(data.shape)} and scales {tuple(scales.shape)}"
+        )
+    t = _qtensor(data, scales, None, "nvfp4", "16x16", (n, k)).transpose()  # formats.QTensor.transpose
+    return t.data.view(torch.uint8), t.scales.view(torch.uint8)
+
+
+@transpose_quantized.register_fake
+def _(data, scales):
+    n, k = data.shape[0], data.shape[1] * 2
+    return data.new_empty((k, n // 2)), scales.new_empty((k, n // 16))
+
+
+@torch.library.custom_op("fp4::decode_blocks", mutates_args=())
+def decode_blocks(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """value(code) * block scale in bfloat16 (exact) of NVFP4 codes [M, K/2] with E4M3 scales [M, K/16]:
+    the operand an emulated GEMM (``fp4.block_mm``) reads, for operands quantized elsewhere (a weight
+    quantized once for fprop and dgrad). On CUDA one Triton pass."""
+    if data.is_cuda:
+        from fp4compile.codegen import triton_kernels
+
+        if triton_kernels.available()[0]:
+            return triton_kernels.block_decode(data, scales)
+    return block_decode(data, scales, None, "nvfp4").to(torch.bfloat16)
+
+
+@decode_blocks.register_fake
+def _(data, scales):
+    return data.new_empty((*data.shape[:-1], data.shape[-1] * 2), dtype=torch.bfloat16)
+
+
 @torch.library.custom_op("fp4::dequantize", mutates_args=())
 def dequantize(
     data: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, fmt: str, block: str, dtype: torch.dtype
@@ -407,12 +453,20 @@ class _LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, site: int, dtype: torch.dtype):
+    def forward(ctx, x, weight, bias, site: int, dtype: torch.dtype, share_weight):
         x2 = x.reshape(-1, x.shape[-1])
-        y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype)
+        if share_weight is None:
+            y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype)
+            ctx.save_for_backward(x2, weight)
+        else:
+            # One 16x16-tile quantization of W for fprop and (transposed) dgrad: saved packed for backward.
+            seed, check = share_weight
+            wq = list(torch.ops.fp4.quantize(weight, "nvfp4", "16x16", "rne", seed, check))
+            y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype, *wq)
+            ctx.save_for_backward(x2, weight, *wq)
         if bias is not None:
             y = y + bias.to(dtype)
-        ctx.save_for_backward(x2, weight)
+        ctx.shared = share_weight is not None
         ctx.site, ctx.dtype = site, dtype
         ctx.x_shape = x.shape
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -422,22 +476,30 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w = ctx.saved_tensors
+        x2, w, *wq = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype)
+            wq_t = [*torch.ops.fp4.transpose_quantized(wq[0], wq[1]), wq[2]] if ctx.shared else []
+            dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype, *wq_t)
             dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             dw = torch.ops.fp4.gemm(dy2.t(), x2.t(), "wgrad", ctx.site, ctx.dtype).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], site: int) -> torch.Tensor:
-    """``F.linear`` whose three GEMMs carry role and site tags (see ``_LinearFunction``)."""
-    return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x))
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], site: int, share_weight=None
+) -> torch.Tensor:
+    """``F.linear`` whose three GEMMs carry role and site tags (see ``_LinearFunction``).
+
+    ``share_weight=(seed, check)``: quantize the weight once, NVFP4 with 16x16 tiles (the quantize node's
+    seed constant and check label), for the fprop GEMM and, transposed, for the dgrad GEMM; the packed
+    weight is what the backward keeps. ``None``: each GEMM's operands are quantized by the passes.
+    """
+    return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x), share_weight)
 
 
 linear.__name__ = "fp4_linear"

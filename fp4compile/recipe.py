@@ -40,6 +40,11 @@ class Recipe:
         default): on where Inductor records the steps in CUDA graphs (the backend's
         ``mode="reduce-overhead"`` or ``"max-autotune"``, or Inductor's global setting), where it
         measured faster, off otherwise (docs/emulation.md).
+    share_weight: with NVFP4 16x16 weights and FP4 backward GEMMs, quantize each weight once per step:
+        the forward's quantization serves fprop and, transposed in packed form
+        (``fp4.transpose_quantized``), dgrad, and the backward keeps the packed weight (0.56 bytes per
+        parameter) instead of quantizing W^T again. Same bits either way (NUMERICS: quantizing W and
+        W^T gives the same codes, transposed); False quantizes W in each GEMM and keeps nothing.
     """
 
     fmt: str = "nvfp4"
@@ -56,6 +61,7 @@ class Recipe:
     check_finite: bool = False
     include_activation_matmuls: bool = False
     decoded_operands: Optional[bool] = None
+    share_weight: bool = True
 
     def __post_init__(self):
         if self.fmt not in FORMATS:

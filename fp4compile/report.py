@@ -343,6 +343,8 @@ _KIND_BY_TARGET = {
     torch.ops.fp4.fake_rht_quantize.default: "rht_quantize",
     torch.ops.fp4.emulated_mm.default: "fp4_gemm",
     torch.ops.fp4.block_mm.default: "fp4_gemm",
+    torch.ops.fp4.transpose_quantized.default: "quantize",  # the forward's quantized weight, for dgrad
+    torch.ops.fp4.decode_blocks.default: "dequantize",
     ops.linear: "fp4_gemm",  # the dynamo graph's marked linears
     **{t: "high_gemm" for t in (*LINEAR_TARGETS, *MATMUL_TARGETS)},  # the dynamo graph's other GEMMs
 }
@@ -394,6 +396,8 @@ def _label(kind: str, node: fx.Node, attrs: dict) -> str:
     if kind in ("quantize", "rht_quantize"):
         q = node.meta.get("fp4_quantize", {})
         what = "RHT + quantize" if kind == "rht_quantize" else "quantize"
+        if node.target is torch.ops.fp4.transpose_quantized.default:
+            what = "transposed"
         return f"{what} {operand or ''}\n{q.get('block', '')} {q.get('rounding', '').upper()}".strip()
     if kind == "rht":
         return f"RHT {operand}" if operand else "RHT"

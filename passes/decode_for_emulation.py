@@ -11,7 +11,10 @@ the GEMM. The GEMM's fp32 accumulation is then scaled in the graph, ``((acc * (a
 * (amax_b * fp32(1/2688)))`` cast to the GEMM's dtype (aten ops, which Inductor fuses into the kernel
 that reads the result: no separate epilogue pass). The result has the bits of the ``scaled_mm`` it
 replaces; ``fp4_role`` metadata moves to the ``block_mm`` node.
-CUTLASS GEMMs (Blackwell), MXFP4, batched GEMMs, sharded-amax operands and CPU graphs keep ``scaled_mm``.
+An operand whose packed form something else also reads (the weight quantized once for fprop and dgrad
+and kept for the backward, its transposed form, a sharded-amax quantization) is decoded by
+``fp4.decode_blocks`` instead (one pass over the packed codes).
+CUTLASS GEMMs (Blackwell), MXFP4, batched GEMMs and CPU graphs keep ``scaled_mm``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ FAKE_QUANTIZE = torch.ops.fp4.fake_quantize.default
 FAKE_RHT_QUANTIZE = torch.ops.fp4.fake_rht_quantize.default
 EMULATED_MM = torch.ops.fp4.emulated_mm.default
 BLOCK_MM = torch.ops.fp4.block_mm.default
+DECODE_BLOCKS = torch.ops.fp4.decode_blocks.default
 aten = torch.ops.aten
 
 
@@ -88,10 +92,14 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         if a.meta["val"].dim() != 2 or b.meta["val"].dim() != 2:
             continue
         sources = [_quantize_of(mm, (a, sa, amax_a)), _quantize_of(mm, (b, sb, amax_b))]
-        if None in sources:
-            continue
         operands = []
-        for q in sources:
+        for q, (codes, scales, amax) in zip(sources, ((a, sa, amax_a), (b, sb, amax_b))):
+            if q is None:
+                with gm.graph.inserting_before(mm):
+                    bd = gm.graph.call_function(DECODE_BLOCKS, (codes, scales))
+                bd.meta["val"] = DECODE_BLOCKS(codes.meta["val"], scales.meta["val"])
+                operands.append((bd, amax))
+                continue
             target = FAKE_RHT_QUANTIZE if q.target is RHT_QUANTIZE else FAKE_QUANTIZE
             with gm.graph.inserting_before(q):
                 fq = gm.graph.call_function(target, q.args)
@@ -112,12 +120,12 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
             new = _scaled(gm.graph, acc, a_amax, b_amax, dtype)
         mm.replace_all_uses_with(new)
         gm.graph.erase_node(mm)
-        for q in sources:
+        for q in (q for q in sources if q is not None):
             for item in list(q.users):
                 gm.graph.erase_node(item)
             gm.graph.erase_node(q)
         replaced += 1
     gm.graph.lint()
     gm.recompile()
-    ctx.note(f"graph {ctx.graph_id}: {replaced} emulated GEMMs read operands decoded by their quantizers")
+    ctx.note(f"graph {ctx.graph_id}: {replaced} emulated GEMMs read decoded operands")
     return gm

@@ -8,6 +8,11 @@ to (recipe seed, site name, role, operand). With ``Recipe(check_finite=True)`` e
 layer, GEMM role and operand for the non-finite error. An operand declared sharded across a process
 group (``fp4compile.distributed``) is quantized by ``fp4.quantize_sharded``, with the global amax
 all-reduced (MAX) over that group, so each rank's shard gets the codes and scales of the full tensor.
+A weight quantized once for fprop and dgrad (``fp4.gemm`` given ``b_codes, b_scales, b_amax``: in the
+forward the ``fp4.quantize`` of W, in the backward its ``fp4.transpose_quantized``) is dequantized from
+those nodes instead of quantized again, where the plan is NVFP4 16x16 tiles; the extra arguments are
+dropped from the GEMM either way. The shared quantization's source node gets the ``fp4_quantize``
+metadata, with ``shared="fprop+dgrad"``.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ OPERAND_TENSORS = {"fprop": ("X", "W"), "dgrad": ("dY", "W"), "wgrad": ("dY", "X
 ACTIVATION_OPERAND_NAMES = {"fprop": ("A", "B^T"), "dgrad": ("dC", "B"), "wgrad": ("A^T", "dC^T")}
 
 
+def _dequantize_shared(gm: fx.GraphModule, node: fx.Node, parts: list) -> fx.Node:
+    """fp4.dequantize of an operand quantized elsewhere (codes, scales, amax nodes), before ``node``."""
+    with gm.graph.inserting_before(node):
+        dq = gm.graph.call_function(DEQUANTIZE, (*parts, "nvfp4", "16x16", torch.float32))
+    dq.meta["val"] = DEQUANTIZE(*(p.meta["val"] for p in parts), "nvfp4", "16x16", torch.float32)
+    return dq
+
+
 def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inserted = 0
     recipe = ctx.recipe
@@ -42,7 +55,8 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if info is None or info.precision == "high":
             continue
         site = ctx.sites[node.args[3]]
-        new_args = list(node.args)
+        shared = [x for x in node.args[5:8] if x is not None]
+        new_args = list(node.args[:5])
         site_key = zlib.crc32(site.name.encode())
         for i in (0, 1):
             operand = node.args[i]
@@ -54,6 +68,15 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             args = (operand, info.precision, block, rounding, seed, label)
             tensor = OPERAND_TENSORS[info.role][i]
             group = distributed.group_key(site.name, tensor) if info.precision == "nvfp4" and not activation else None
+            if i == 1 and len(shared) == 3 and (info.precision, block, rounding) == ("nvfp4", "16x16", "rne"):
+                new_args[i] = _dequantize_shared(gm, node, shared)
+                source = shared[0].args[0] if shared[0].target is operator.getitem else shared[0]
+                source.meta["fp4_quantize"] = {
+                    "site": site.name, "role": info.role, "operand": operand_name, "block": block, "rounding": rounding,
+                    "amax_group": None, "shared": "fprop+dgrad",
+                }
+                inserted += 1
+                continue
             val = operand.meta["val"]
             with gm.graph.inserting_before(node):
                 if group is None:

@@ -27,7 +27,7 @@ def lower_scaled_mm(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     lowered = 0
     for node in gemm_nodes(gm):
         info = node.meta.get("fp4_role")
-        a, b, role, index, dtype = node.args
+        a, b, role, index, dtype = node.args[:5]
         if info is None or info.precision == "high":
             continue
         if not all(isinstance(x, fx.Node) and x.target is DEQUANTIZE for x in (a, b)):

@@ -9,16 +9,34 @@ Sites whose in/out features are not multiples of the block size stay as they are
 the reason recorded. High-precision sites are not touched: they compute exactly what the model wrote.
 An ``activation_matmul`` site ``A @ B`` (two activations, ``Recipe(include_activation_matmuls=True)``)
 becomes ``fp4.matmul(A, B, site)`` (in_features = K, out_features = N must fit the blocks).
+With ``Recipe(share_weight=True)`` (the default), NVFP4 16x16 weights and FP4 backward GEMMs, a linear
+gets ``share_weight=(seed, check)``: its weight is quantized once for fprop and dgrad, with the seed
+constant and check label ``insert_quantize`` would give fprop's W; weights whose amax is sharded across
+ranks (``fp4compile.distributed``) are quantized per GEMM as before.
 """
 
 from __future__ import annotations
 
+import zlib
+from typing import Optional
+
 import torch
 import torch.fx as fx
 
-from fp4compile import ops
+from fp4compile import distributed, ops, runtime
 from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext
+
+
+def _share_weight(ctx: CompileContext, site) -> Optional[tuple]:
+    """(seed, check) of the one quantization of ``site``'s weight for fprop and dgrad, or None."""
+    recipe = ctx.recipe
+    if not (recipe.share_weight and recipe.quantize_backward and site.precision == "nvfp4"):
+        return None
+    if recipe.weight_block != "16x16" or distributed.group_key(site.name, "W") is not None:
+        return None
+    seed = runtime.node_seed(recipe.seed, zlib.crc32(site.name.encode()), "fprop", 1)
+    return seed, (f"layer {site.name!r} fprop operand W" if recipe.check_finite else "")
 
 
 def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -47,7 +65,7 @@ def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 else:  # matmul x @ B, or addmm(b, x, B): B is [in, out]
                     bias, x, param = node.args[:3] if site.kind == "addmm" else (None, *node.args[:2])
                     weight = gm.graph.call_function(torch.t, (param,))
-                new = gm.graph.call_function(ops.linear, (x, weight, bias, index))
+                new = gm.graph.call_function(ops.linear, (x, weight, bias, index, _share_weight(ctx, site)))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

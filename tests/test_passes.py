@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import pytest
@@ -14,6 +15,7 @@ from functorch.compile import make_boxed_func
 from fp4compile import Recipe, formats, ops
 from fp4compile.passes import decode_for_emulation as decode_module
 from fp4compile.passes import fuse_amax as amax_module
+from fp4compile.passes import mark_fp4_linear as mark_module
 from fp4compile.passes.assign_precision import assign_precision
 from fp4compile.passes.decode_for_emulation import decode_for_emulation
 from fp4compile.passes.find_blocks import find_blocks
@@ -135,6 +137,16 @@ def marked(dynamo_graph):
     return gm, example, ctx
 
 
+@pytest.fixture
+def marked_unshared(dynamo_graph):
+    """``marked`` with every weight quantized by each of its GEMMs (Recipe(share_weight=False))."""
+    _, gm, example = dynamo_graph
+    ctx = CompileContext(Recipe(share_weight=False), 0)
+    for p in (find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear):
+        p(gm, ctx)
+    return gm, example, ctx
+
+
 def role_nodes(graph, target):
     return [n for n in graph.graph.nodes if n.target is target]
 
@@ -174,6 +186,12 @@ def test_insert_quantize_blocks_and_rounding(marked):
             seen.setdefault((meta["role"], meta["operand"]), set()).add((q.args[2], q.args[3]))
             deq = [u for u in q.users if u.target is operator.getitem]
             assert len(deq) == 3
+        # dgrad reads the weight fprop quantized (Recipe(share_weight=True)), transposed in packed form.
+        for t in role_nodes(graph, F4.transpose_quantized.default):
+            meta = t.meta["fp4_quantize"]
+            assert stage == "backward" and meta["shared"] == "fprop+dgrad"
+            seen.setdefault((meta["role"], meta["operand"]), set()).add((meta["block"], meta["rounding"]))
+    assert len(role_nodes(graphs["backward"], F4.transpose_quantized.default)) == 4
     assert seen == {
         ("fprop", "X"): {("1x16", "rne")},
         ("fprop", "W"): {("16x16", "rne")},
@@ -197,7 +215,13 @@ def test_lower_scaled_mm_replaces_every_quantized_gemm(marked):
         assert role_nodes(graph, F4.dequantize.default) == []
         for mm in role_nodes(graph, F4.scaled_mm.default):
             assert mm.args[6] == "nvfp4" and mm.args[8] == "emulation"
-            assert all(a.target is operator.getitem and a.args[0].target is F4.quantize.default for a in mm.args[:6])
+            # Operands from quantize nodes; dgrad's W^T from the forward's W, transposed (kept packed).
+            sources = [a.args[0].target for a in mm.args[:6] if a.op != "placeholder"]
+            if mm.meta["fp4_role"].role == "dgrad":
+                assert sources == [F4.quantize.default] * 3 + [F4.transpose_quantized.default] * 2
+                assert mm.args[5].op == "placeholder"  # the amax of W, saved by the forward
+            else:
+                assert sources == [F4.quantize.default] * 6
     assert ctx.sites[2].roles["fprop"].kernel == "emulation"
     assert "not a CUDA GPU" in ctx.sites[2].roles["fprop"].kernel_reason
 
@@ -228,8 +252,8 @@ def test_fuse_rht_quantize_fuses_both_wgrad_operands(dynamo_graph, fmt, block):
         assert {u.args[0] for u in node.users} == {node}
         for mm in {v for u in node.users for v in u.users}:
             assert mm.target is F4.scaled_mm.default and mm.args[6] == fmt
-    # The quantize nodes of fprop and dgrad stay as they are.
-    assert len(role_nodes(backward, F4.quantize.default)) == 8
+    # The quantize nodes of dgrad stay as they are: dY's, and W^T's unless fprop's W is shared (NVFP4).
+    assert len(role_nodes(backward, F4.quantize.default)) == (4 if fmt == "nvfp4" else 8)
 
 
 def test_quantize_dequantize_stage_is_numerically_close_to_lowered(marked):
@@ -281,10 +305,10 @@ def test_decode_for_emulation_needs_cuda_and_the_recipe_flag(marked, monkeypatch
         assert role_nodes(graph, F4.block_mm.default) == []
 
 
-def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked, monkeypatch):
+def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked_unshared, monkeypatch):
     """Where it applies (CUDA; forced here on the CPU), every emulated NVFP4 GEMM reads operands decoded by
     their quantizer: node counts, arguments and metadata carried over, and the same output and gradient bits."""
-    gm, example, ctx = marked
+    gm, example, ctx = marked_unshared
     import fp4compile
 
     fp4compile.manual_seed(3)
@@ -331,9 +355,10 @@ def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked,
         assert torch.equal(g, g_ref)
 
 
-def test_decode_for_emulation_needs_a_sole_consumer(marked, monkeypatch):
-    """A quantized operand that something else also reads keeps its packed form and its scaled_mm."""
-    gm, example, ctx = marked
+def test_decode_for_emulation_decodes_an_operand_read_elsewhere(marked_unshared, monkeypatch):
+    """A quantized operand that something else also reads keeps its packed form; its GEMM reads it
+    through fp4.decode_blocks, the other operand decoded by its quantizer."""
+    gm, example, ctx = marked_unshared
     ctx.recipe = ctx.recipe.replace(decoded_operands=True)
     monkeypatch.setattr(decode_module, "applies", lambda mm: True)
 
@@ -345,8 +370,13 @@ def test_decode_for_emulation_needs_a_sole_consumer(marked, monkeypatch):
         return graph
 
     graphs = aot_graphs(gm, example, ctx, LOWERED + [share_one_amax, decode_for_emulation])
-    assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 1
-    assert len(role_nodes(graphs["forward"], F4.block_mm.default)) == 3
+    forward = graphs["forward"]
+    assert role_nodes(forward, F4.scaled_mm.default) == []
+    assert len(role_nodes(forward, F4.block_mm.default)) == 4
+    (decode,) = role_nodes(forward, F4.decode_blocks.default)
+    (kept,) = role_nodes(forward, F4.quantize.default)
+    assert [a.args for a in decode.args] == [(kept, 0), (kept, 1)]
+    assert len(role_nodes(forward, F4.fake_quantize.default)) == 7
 
 
 def _amax_sources(graph):
@@ -374,9 +404,8 @@ def test_fuse_amax_gives_quantizers_their_amax_with_the_same_bits(marked, monkey
     graphs, y, grads = _run_with_grads(gm, example, ctx, passes + [fuse_amax])
     forward, backward = graphs["forward"], graphs["backward"]
     assert _amax_sources(forward) == [("W", "own pass")] * 4 + [("X", "producer")] * 4
-    assert _amax_sources(backward) == (
-        [("W^T", "own pass")] * 4 + [("X^T", "own pass")] * 4 + [("dY", "wgrad_amax")] * 4 + [("dY^T", "wgrad_amax")] * 4
-    )
+    # W^T: the forward's quantization of W, transposed (Recipe(share_weight=True)), no quantizer here.
+    assert _amax_sources(backward) == [("X^T", "own pass")] * 4 + [("dY", "wgrad_amax")] * 4 + [("dY^T", "wgrad_amax")] * 4
     assert len(role_nodes(forward, torch.ops.aten.amax.default)) == 8  # a row max and a max over rows each
     shared = role_nodes(backward, F4.wgrad_amax.default)
     assert len(shared) == 4
@@ -441,3 +470,57 @@ def test_quantize_ops_take_a_given_amax_for_nvfp4_only():
         want = F4.rht_quantize(x.t(), 16, "nvfp4", "1x16", rounding, 9, "")
         got = F4.rht_quantize(x.t(), 16, "nvfp4", "1x16", rounding, 9, "", rht)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("decoded", [False, True])
+def test_weight_quantized_once_for_fprop_and_dgrad(marked, monkeypatch, decoded):
+    """Recipe(share_weight=True): the forward quantizes each FP4 weight once (16x16, NVFP4) for fprop and
+    keeps it packed for the backward, whose dgrad reads it transposed (fp4.transpose_quantized) instead
+    of quantizing W^T. Same outputs and gradients, bit for bit, as quantizing W in each GEMM."""
+    gm, example, ctx = marked
+    import fp4compile
+
+    passes = LOWERED + ([decode_for_emulation] if decoded else [])
+    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    results = {}
+    for share in (False, True):
+        ctx.recipe = ctx.recipe.replace(share_weight=share, decoded_operands=decoded)
+        g = copy.deepcopy(gm)
+        for node in g.graph.nodes:  # the marking pass's choice, as it would make it for this recipe
+            if node.target is ops.linear:
+                node.args = (*node.args[:4], mark_module._share_weight(ctx, ctx.sites[node.args[3]]))
+        g.recompile()
+        fp4compile.manual_seed(5)
+        results[share] = _run_with_grads(g, example, ctx, passes)
+    (graphs, y, grads), (_, y_ref, grads_ref) = results[True], results[False]
+    forward, backward = graphs["forward"], graphs["backward"]
+    weight_q = [n for n in forward.graph.nodes if n.target is F4.quantize.default and n.args[2] == "16x16"]
+    assert len(weight_q) == 4
+    outputs = set(next(n for n in forward.graph.nodes if n.op == "output").args[0])
+    for q in weight_q:
+        assert q.meta["fp4_quantize"]["shared"] == "fprop+dgrad"
+        assert {u.args[1] for u in q.users} == {0, 1, 2} and all(u in outputs for u in q.users)  # kept for backward
+    assert [n for n in backward.graph.nodes if n.target in (F4.quantize.default, F4.fake_quantize.default)
+            and n.args[2] == "16x16"] == []
+    transposes = role_nodes(backward, F4.transpose_quantized.default)
+    assert len(transposes) == 4 and all(n.args[0].op == "placeholder" for n in transposes)
+    if decoded:  # the shared weight reaches the emulated GEMMs through one decode pass each
+        assert len(role_nodes(forward, F4.decode_blocks.default)) == 4
+        assert len(role_nodes(backward, F4.decode_blocks.default)) == 4
+        assert len(role_nodes(forward, F4.block_mm.default)) == 4 and len(role_nodes(backward, F4.block_mm.default)) == 8
+    assert torch.equal(y, y_ref)
+    assert len(grads) == len(grads_ref) > 0
+    for a, b in zip(grads, grads_ref):
+        assert torch.equal(a, b)
+
+
+def test_transpose_quantized_is_the_quantization_of_the_transpose():
+    from fp4compile import formats
+
+    w = torch.randn(48, 80) * torch.logspace(-3, 3, 80)
+    q, qt = formats.quantize(w, "nvfp4", "16x16"), formats.quantize(w.t().contiguous(), "nvfp4", "16x16")
+    data_t, scales_t = F4.transpose_quantized(q.data.view(torch.uint8), q.scales.view(torch.uint8))
+    assert torch.equal(data_t, qt.data.view(torch.uint8)) and torch.equal(scales_t, qt.scales.view(torch.uint8))
+    assert torch.equal(F4.decode_blocks(data_t, scales_t), formats.block_decode(qt).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"16x16-tile quantized \[N, K\] weight .*got codes \(40, 40\)"):
+        F4.transpose_quantized(torch.zeros(40, 40, dtype=torch.uint8), torch.zeros(40, 5, dtype=torch.uint8))
