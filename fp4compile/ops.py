@@ -15,7 +15,6 @@ in buffers; ``formats.QTensor`` is rebuilt inside the implementations.
 | ``fp4.scaled_mm(a, sa, amax_a, b, sb, amax_b, fmt, out_dtype, kernel)`` | FP4 GEMM, fp32 accumulate |
 | ``fp4.fake_quantize(x, fmt, block, rounding, seed)`` / ``fp4.fake_rht_quantize(x, size, ...)`` | block-decoded operand (bf16) and amax |
 | ``fp4.emulated_mm(a_bd, amax_a, b_bd, amax_b, fmt, out_dtype)`` | emulated FP4 GEMM on block-decoded operands |
-| ``fp4.block_mm(a_bd, b_bd)`` | its fp32 accumulation alone (the graph then applies the global decode scales) |
 """
 
 from __future__ import annotations
@@ -296,7 +295,7 @@ def _(data, scales):
 @torch.library.custom_op("fp4::decode_blocks", mutates_args=())
 def decode_blocks(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """value(code) * block scale in bfloat16 (exact) of NVFP4 codes [M, K/2] with E4M3 scales [M, K/16]:
-    the operand an emulated GEMM (``fp4.block_mm``) reads, for operands quantized elsewhere (a weight
+    the operand an emulated GEMM (``fp4.emulated_mm``) reads, for operands quantized elsewhere (a weight
     quantized once for fprop and dgrad). On CUDA one Triton pass."""
     if data.is_cuda:
         from fp4compile.codegen import triton_kernels
@@ -391,25 +390,6 @@ def scaled_mm(
 @scaled_mm.register_fake
 def _(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, kernel):
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)
-
-
-@torch.library.custom_op("fp4::block_mm", mutates_args=())
-def block_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """A @ B.T in float32 for block-decoded operands A [M, K], B [N, K] (bfloat16: value(code) * block
-    scale, from ``fp4.fake_quantize``): the accumulation of the emulated GEMM without the global decode
-    scales, which the graph applies after it (``decode_for_emulation``), so that Inductor can fuse them
-    into the kernel that reads the result. On CUDA one BF16 GEMM with fp32 output (every product of two
-    operands is exact in fp32; the sums are fp32)."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"fp4.block_mm needs A [M, K] and B [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.is_cuda:
-        return torch.mm(a, b.t(), out_dtype=torch.float32)
-    return a.float() @ b.float().t()
-
-
-@block_mm.register_fake
-def _(a, b):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("fp4::emulated_mm", mutates_args=())

@@ -342,7 +342,6 @@ _KIND_BY_TARGET = {
     torch.ops.fp4.fake_quantize.default: "quantize",
     torch.ops.fp4.fake_rht_quantize.default: "rht_quantize",
     torch.ops.fp4.emulated_mm.default: "fp4_gemm",
-    torch.ops.fp4.block_mm.default: "fp4_gemm",
     torch.ops.fp4.transpose_quantized.default: "quantize",  # the forward's quantized weight, for dgrad
     torch.ops.fp4.decode_blocks.default: "dequantize",
     ops.linear: "fp4_gemm",  # the dynamo graph's marked linears

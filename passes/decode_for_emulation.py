@@ -4,13 +4,12 @@ Requires: ``lower_scaled_mm`` and ``fuse_rht_quantize``.
 Guarantees: with ``Recipe(decoded_operands=True)`` (what the backend makes of the default ``None`` when
 it compiles with CUDA graphs; otherwise the pass changes nothing), every 2-D ``fp4.scaled_mm`` on a CUDA device with the ``emulation`` kernel and NVFP4 whose
 operands come straight from ``fp4.quantize`` / ``fp4.rht_quantize`` nodes (used by that GEMM alone)
-becomes ``fp4.block_mm(a_bd, b_bd)`` on ``fp4.fake_quantize`` / ``fp4.fake_rht_quantize`` nodes with
-the same arguments (seed, check label, metadata): the same codes and scales, but the quantizing kernel
-writes value(code) * block scale in BF16 (exact) instead of packed codes, so no decode pass runs before
-the GEMM. The GEMM's fp32 accumulation is then scaled in the graph, ``((acc * (amax_a * fp32(1/2688)))
-* (amax_b * fp32(1/2688)))`` cast to the GEMM's dtype (aten ops, which Inductor fuses into the kernel
-that reads the result: no separate epilogue pass). The result has the bits of the ``scaled_mm`` it
-replaces; ``fp4_role`` metadata moves to the ``block_mm`` node.
+becomes ``fp4.emulated_mm(a_bd, a_amax, b_bd, b_amax, fmt, dtype)`` on ``fp4.fake_quantize`` /
+``fp4.fake_rht_quantize`` nodes with the same arguments (seed, check label, metadata): the same codes
+and scales, but the quantizing kernel writes value(code) * block scale in BF16 (exact) instead of packed
+codes, so no decode pass runs before the GEMM. The result has the bits of the ``scaled_mm`` it replaces.
+The global scales stay inside ``fp4.emulated_mm`` (its own epilogue kernel): as graph nodes, Inductor
+would fuse them with the consumer's add into one FMA and change the result's rounding.
 An operand whose packed form something else also reads (the weight quantized once for fprop and dgrad
 and kept for the backward, its transposed form, a sharded-amax quantization) is decoded by
 ``fp4.decode_blocks`` instead (one pass over the packed codes).
@@ -24,7 +23,6 @@ import operator
 import torch
 import torch.fx as fx
 
-from fp4compile import formats
 from fp4compile.sites import CompileContext
 
 from .fuse_rht_quantize import RHT_QUANTIZE
@@ -34,9 +32,7 @@ from .lower_scaled_mm import SCALED_MM
 FAKE_QUANTIZE = torch.ops.fp4.fake_quantize.default
 FAKE_RHT_QUANTIZE = torch.ops.fp4.fake_rht_quantize.default
 EMULATED_MM = torch.ops.fp4.emulated_mm.default
-BLOCK_MM = torch.ops.fp4.block_mm.default
 DECODE_BLOCKS = torch.ops.fp4.decode_blocks.default
-aten = torch.ops.aten
 
 
 def applies(mm: fx.Node) -> bool:
@@ -58,25 +54,6 @@ def _quantize_of(mm: fx.Node, triple) -> "fx.Node | None":
         if item.target is not operator.getitem or any(u is not mm for u in item.users):
             return None
     return q
-
-
-def _scaled(graph: fx.Graph, acc: fx.Node, a_amax: fx.Node, b_amax: fx.Node, dtype: torch.dtype) -> fx.Node:
-    """(acc * (a_amax * fp32(1/2688))) * (b_amax * fp32(1/2688)) cast to ``dtype``: the emulated GEMM's
-    epilogue (``ops.scaled_mm_reference``) as graph nodes, in the same order of fp32 operations."""
-
-    def call(target, args, val):
-        node = graph.call_function(target, args)
-        node.meta["val"] = val
-        return node
-
-    inv = formats.NVFP4_GLOBAL_INV  # fp32(1/2688) as a Python float: exact in the fp32 arithmetic
-    out = acc
-    for amax in (a_amax, b_amax):
-        scale = call(aten.mul.Tensor, (amax, inv), aten.mul.Tensor(amax.meta["val"], inv))
-        out = call(aten.mul.Tensor, (out, scale), aten.mul.Tensor(out.meta["val"], scale.meta["val"]))
-    if dtype != torch.float32:
-        out = call(torch.ops.prims.convert_element_type.default, (out, dtype), out.meta["val"].to(dtype))
-    return out
 
 
 def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -112,12 +89,9 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
             for j, part in enumerate(parts):
                 part.meta["val"] = vals[j]
             operands.append(parts)
-        (a_bd, a_amax), (b_bd, b_amax) = operands
         with gm.graph.inserting_before(mm):
-            acc = gm.graph.call_function(BLOCK_MM, (a_bd, b_bd))
-            acc.meta.update({k: v for k, v in mm.meta.items() if k not in ("eager_input_vals", "val")})
-            acc.meta["val"] = BLOCK_MM(a_bd.meta["val"], b_bd.meta["val"])
-            new = _scaled(gm.graph, acc, a_amax, b_amax, dtype)
+            new = gm.graph.call_function(EMULATED_MM, (*operands[0], *operands[1], fmt, dtype))
+        new.meta.update({k: v for k, v in mm.meta.items() if k != "eager_input_vals"})
         mm.replace_all_uses_with(new)
         gm.graph.erase_node(mm)
         for q in (q for q in sources if q is not None):

@@ -122,14 +122,14 @@ def test_gpu_decoded_operands_give_the_bits_of_packed_ones(fresh_dynamo):
         (y * g).sum().backward()
         results[decoded] = (y.detach(), xd.grad, m.blocks[0].weight.grad)
         final = [gr.code for gr in backend.report.graphs if gr.pass_name == "decode_for_emulation"]
-        assert len(final) == 2 and all(("fp4.block_mm" in code) == decoded for code in final)
+        assert len(final) == 2 and all(("fp4.emulated_mm" in code) == decoded for code in final)
         assert all(("fp4.scaled_mm" in code) != decoded for code in final)
     for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)
 
 
 class NormMLP(torch.nn.Module):
-    """LayerNorm -> Linear -> GELU -> Linear: both X operands have producers Inductor fuses a row max into."""
+    """LayerNorm -> Linear -> GELU -> Linear: both X operands have producers Inductor fuses the amax into."""
 
     def __init__(self, d=256):
         super().__init__()

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified
 from functorch.compile import make_boxed_func
 
-from fp4compile import Recipe, formats, ops
+from fp4compile import Recipe, ops
 from fp4compile.passes import decode_for_emulation as decode_module
 from fp4compile.passes import fuse_amax as amax_module
 from fp4compile.passes import mark_fp4_linear as mark_module
@@ -302,7 +302,7 @@ def test_decode_for_emulation_needs_cuda_and_the_recipe_flag(marked, monkeypatch
     assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 4
     assert len(role_nodes(graphs["backward"], F4.scaled_mm.default)) == 8
     for graph in graphs.values():
-        assert role_nodes(graph, F4.block_mm.default) == []
+        assert role_nodes(graph, F4.emulated_mm.default) == []
 
 
 def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked_unshared, monkeypatch):
@@ -325,9 +325,9 @@ def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked_
     for graph in (forward, backward):
         for target in (F4.scaled_mm.default, F4.quantize.default, F4.rht_quantize.default, F4.dequantize.default):
             assert role_nodes(graph, target) == [], target
-    assert len(role_nodes(forward, F4.block_mm.default)) == 4
+    assert len(role_nodes(forward, F4.emulated_mm.default)) == 4
     assert len(role_nodes(forward, F4.fake_quantize.default)) == 8
-    assert len(role_nodes(backward, F4.block_mm.default)) == 8
+    assert len(role_nodes(backward, F4.emulated_mm.default)) == 8
     assert len(role_nodes(backward, F4.fake_quantize.default)) == 8  # dY and W^T of dgrad
     assert len(role_nodes(backward, F4.fake_rht_quantize.default)) == 8  # both wgrad operands
     decoded = [n for g in (forward, backward) for n in g.graph.nodes
@@ -338,17 +338,10 @@ def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked_
         assert meta["decoded"] is True
         want = quantize_args[(meta["site"], meta["operand"], meta["role"])]
         assert node.args[1:] == want[1:] and node.args[0].name == want[0].name  # same operand, seed, label
-    for mm in role_nodes(backward, F4.block_mm.default):
-        assert mm.meta["fp4_role"].role in ("dgrad", "wgrad") and mm.meta["val"].dtype == torch.float32
-        # The epilogue: two multiplies by the operands' global decode scales (amax * fp32(1/2688)).
-        (scale_a,) = mm.users
-        assert scale_a.target is torch.ops.aten.mul.Tensor
-        (scale_b,) = scale_a.users
-        assert scale_b.target is torch.ops.aten.mul.Tensor
-        for mul, operand in ((scale_a, mm.args[0]), (scale_b, mm.args[1])):
-            factor = mul.args[1]
-            assert factor.target is torch.ops.aten.mul.Tensor and factor.args[1] == formats.NVFP4_GLOBAL_INV
-            assert factor.args[0].args == (operand.args[0], 1)  # the amax of that operand's quantizer
+    for mm in role_nodes(backward, F4.emulated_mm.default):
+        assert mm.meta["fp4_role"].role in ("dgrad", "wgrad") and mm.args[4:] == ("nvfp4", torch.float32)
+        for operand, amax in ((mm.args[0], mm.args[1]), (mm.args[2], mm.args[3])):
+            assert operand.args == (operand.args[0], 0) and amax.args == (operand.args[0], 1)
     assert torch.equal(y, y_ref)
     assert len(grads) == len(grads_ref) > 0
     for g, g_ref in zip(grads, grads_ref):
@@ -372,7 +365,7 @@ def test_decode_for_emulation_decodes_an_operand_read_elsewhere(marked_unshared,
     graphs = aot_graphs(gm, example, ctx, LOWERED + [share_one_amax, decode_for_emulation])
     forward = graphs["forward"]
     assert role_nodes(forward, F4.scaled_mm.default) == []
-    assert len(role_nodes(forward, F4.block_mm.default)) == 4
+    assert len(role_nodes(forward, F4.emulated_mm.default)) == 4
     (decode,) = role_nodes(forward, F4.decode_blocks.default)
     (kept,) = role_nodes(forward, F4.quantize.default)
     assert [a.args for a in decode.args] == [(kept, 0), (kept, 1)]
@@ -406,7 +399,7 @@ def test_fuse_amax_gives_quantizers_their_amax_with_the_same_bits(marked, monkey
     assert _amax_sources(forward) == [("W", "own pass")] * 4 + [("X", "producer")] * 4
     # W^T: the forward's quantization of W, transposed (Recipe(share_weight=True)), no quantizer here.
     assert _amax_sources(backward) == [("X^T", "own pass")] * 4 + [("dY", "wgrad_amax")] * 4 + [("dY^T", "wgrad_amax")] * 4
-    assert len(role_nodes(forward, torch.ops.aten.amax.default)) == 8  # a row max and a max over rows each
+    assert len(role_nodes(forward, torch.ops.aten.amax.default)) == 4  # one per X operand, over all dims
     shared = role_nodes(backward, F4.wgrad_amax.default)
     assert len(shared) == 4
     for node in shared:
@@ -430,7 +423,7 @@ def test_fuse_amax_needs_cuda(marked):
 
 
 def test_fuse_amax_producer_rule():
-    """Only producers Inductor compiles into its own kernels take the row max; graph inputs, GEMMs,
+    """Only producers Inductor compiles into its own kernels take the amax nodes; graph inputs, GEMMs,
     attention and fp4 ops do not (their operands keep the quantizer's amax pass)."""
     g = fx.Graph()
     x = g.placeholder("x")
@@ -507,7 +500,7 @@ def test_weight_quantized_once_for_fprop_and_dgrad(marked, monkeypatch, decoded)
     if decoded:  # the shared weight reaches the emulated GEMMs through one decode pass each
         assert len(role_nodes(forward, F4.decode_blocks.default)) == 4
         assert len(role_nodes(backward, F4.decode_blocks.default)) == 4
-        assert len(role_nodes(forward, F4.block_mm.default)) == 4 and len(role_nodes(backward, F4.block_mm.default)) == 8
+        assert len(role_nodes(forward, F4.emulated_mm.default)) == 4 and len(role_nodes(backward, F4.emulated_mm.default)) == 8
     assert torch.equal(y, y_ref)
     assert len(grads) == len(grads_ref) > 0
     for a, b in zip(grads, grads_ref):
