@@ -433,7 +433,7 @@ def _train(argv: Optional[Sequence[str]], cleanup: contextlib.ExitStack) -> dict
         "model": {**dataclasses.asdict(config), "preset": args.preset, "params": model.num_params(),
                   "non_embedding_params": model.num_params(non_embedding=True)},
         "corpus": corpus.stats(),
-        "recipe": _recipe_record(recipe),
+        "recipe": _recipe_record(backend.resolved_recipe() if backend is not None else None),
         "schedule": {"peak_lr": peak_lr, "warmup": warmup, "min_lr_ratio": args.min_lr_ratio,
                      "steps": args.steps, "tokens_per_step": tokens_per_step},
         "inner": None if args.no_compile else inner,

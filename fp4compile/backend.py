@@ -162,16 +162,22 @@ class Backend:
                 graphs = inductor_global.triton.cudagraphs
         return self.recipe.replace(decoded_operands=bool(graphs))
 
-    def _inductor_config(self, graph_id: int) -> dict:
+    def _inductor_config(self, graph_id: int, quiet: bool = False) -> dict:
         config = dict(self.inductor_config)
         if self.recipe.check_finite and config.get("triton.cudagraphs"):
             # The check reads each amax back to the host, which a CUDA graph cannot record.
-            log.warning(
-                "fp4compile: graph %d: Recipe(check_finite=True) reads values back to the host on every "
-                "quantize; compiling without CUDA graphs", graph_id,
-            )
+            if not quiet:
+                log.warning(
+                    "fp4compile: graph %d: Recipe(check_finite=True) reads values back to the host on every "
+                    "quantize; compiling without CUDA graphs", graph_id,
+                )
             config["triton.cudagraphs"] = False
         return config
+
+    def resolved_recipe(self) -> Recipe:
+        """The recipe as this backend compiles with it, its automatic choices made (``decoded_operands``
+        True or False, by whether the graphs are recorded in CUDA graphs): what a run should record."""
+        return self._effective_recipe(self._inductor_config(0, quiet=True))
 
 
 def _all_high_precision(gm, ctx):

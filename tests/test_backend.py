@@ -357,6 +357,8 @@ def test_decoded_operands_follow_cuda_graphs_unless_set():
     assert graphed.recipe.decoded_operands is None
     assert graphed._effective_recipe(graphed._inductor_config(0)).decoded_operands is True
     assert Backend()._effective_recipe(Backend()._inductor_config(0)).decoded_operands is False
+    assert graphed.resolved_recipe().decoded_operands is True and Backend().resolved_recipe().decoded_operands is False
+    assert Backend(decoded_operands=True).resolved_recipe().decoded_operands is True
     # A graph that compiles without CUDA graphs (check_finite) keeps packed operands.
     checked = Backend(mode="reduce-overhead", check_finite=True)
     assert checked._effective_recipe(checked._inductor_config(0)).decoded_operands is False

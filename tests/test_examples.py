@@ -272,7 +272,7 @@ def test_train_gpt_nvfp4(tmp_path, capsys):
     assert "blocks.1.attn.qkv" in record["precision_table"]
     assert record["high_precision_from_step"] == 1
     assert "precision plan" in capsys.readouterr().out
-    assert record["recipe"]["fmt"] == "nvfp4" and record["summary"]["final_val_loss"] is None
+    assert record["recipe"]["fmt"] == "nvfp4" and record["recipe"]["decoded_operands"] is False and record["summary"]["final_val_loss"] is None
     assert len(record["train"]["loss"]) == 2 and all(math.isfinite(v) for v in record["train"]["loss"])
 
 
