@@ -42,8 +42,6 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 # 2688 = E2M1_MAX * E4M3_MAX: the global scale maps amax to the largest representable product.
 NVFP4_GLOBAL = E2M1_MAX * E4M3_MAX
-# fp32(1/2688), the decode factor, as a Python float (exact in float32 arithmetic).
-NVFP4_GLOBAL_INV = float(np.float32(1.0 / NVFP4_GLOBAL))
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Magnitude thresholds between neighbouring E2M1 values, with whether a tie goes up (to the
@@ -285,7 +283,7 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
 
 def global_decode_scale(amax: torch.Tensor) -> torch.Tensor:
     """amax / 2688 as the decode formula computes it: amax * fp32(1/2688)."""
-    return amax.float() * torch.tensor(NVFP4_GLOBAL_INV, dtype=torch.float32)
+    return amax.float() * torch.tensor(1.0 / NVFP4_GLOBAL, dtype=torch.float32)
 
 
 def quantize(
@@ -356,7 +354,7 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     cols = _BLOCK_SHAPES[q.block][1]
     vals = decode_e2m1(q.codes())
     if q.fmt == "nvfp4":
-        scale = (q.scales.float() * q.amax.float()) * torch.tensor(NVFP4_GLOBAL_INV, dtype=torch.float32)
+        scale = (q.scales.float() * q.amax.float()) * torch.tensor(1.0 / NVFP4_GLOBAL, dtype=torch.float32)
     else:
         scale = q.scales.float()
     return (vals * scale.repeat_interleave(cols, dim=-1)).to(dtype)

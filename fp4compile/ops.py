@@ -202,7 +202,7 @@ def wgrad_amax(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     multiple of 16). NaN where the tensor (or its transform) holds a NaN, as ``torch.amax``."""
     if x.dim() != 2:
         raise ValueError(f"fp4.wgrad_amax takes a [tokens, K] tensor, got shape {tuple(x.shape)}")
-    if x.is_cuda and size == 16 and x.shape[0] % 16 == 0 and x.numel() and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    if x.is_cuda and size == 16 and x.shape[0] % 16 == 0 and x.numel() and x.dtype in formats._INPUT_DTYPES:
         from fp4compile.codegen import triton_kernels
 
         if triton_kernels.available()[0]:
@@ -446,7 +446,6 @@ class _LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x2, weight, *wq)
         if bias is not None:
             y = y + bias.to(dtype)
-        ctx.shared = share_weight is not None
         ctx.site, ctx.dtype = site, dtype
         ctx.x_shape = x.shape
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -460,7 +459,7 @@ class _LinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            wq_t = [*torch.ops.fp4.transpose_quantized(wq[0], wq[1]), wq[2]] if ctx.shared else []
+            wq_t = [*torch.ops.fp4.transpose_quantized(wq[0], wq[1]), wq[2]] if wq else []
             dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype, *wq_t)
             dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:

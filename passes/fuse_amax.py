@@ -90,17 +90,18 @@ def _fmt_block(node: fx.Node) -> tuple:
     return (node.args[2], node.args[3]) if node.target in TRANSFORMED else (node.args[1], node.args[2])
 
 
-def _amax_arg_index(node: fx.Node) -> int:
-    return 8 if node.target in TRANSFORMED else 7
+def _amax_index(node: fx.Node) -> int:
+    """Where the ``amax`` argument sits in the node's positional arguments (after ``check``)."""
+    return 7 if node.target in TRANSFORMED else 6
 
 
 def _has_amax(node: fx.Node) -> bool:
-    i = _amax_arg_index(node) - 1
+    i = _amax_index(node)
     return len(node.args) > i and node.args[i] is not None or node.kwargs.get("amax") is not None
 
 
 def _give_amax(node: fx.Node, amax: fx.Node, source: str) -> None:
-    i = _amax_arg_index(node) - 1
+    i = _amax_index(node)
     node.args = (*node.args[:i], amax)
     if "fp4_quantize" in node.meta:
         node.meta["fp4_quantize"] = dict(node.meta["fp4_quantize"], amax=source)

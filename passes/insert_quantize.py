@@ -39,11 +39,20 @@ OPERAND_TENSORS = {"fprop": ("X", "W"), "dgrad": ("dY", "W"), "wgrad": ("dY", "X
 ACTIVATION_OPERAND_NAMES = {"fprop": ("A", "B^T"), "dgrad": ("dC", "B"), "wgrad": ("A^T", "dC^T")}
 
 
-def _dequantize_shared(gm: fx.GraphModule, node: fx.Node, parts: list) -> fx.Node:
-    """fp4.dequantize of an operand quantized elsewhere (codes, scales, amax nodes), before ``node``."""
+def operand_seed_and_label(recipe, site, role: str, i: int) -> tuple[int, str, str]:
+    """(SR seed constant, check label, operand name) of operand ``i`` of ``site``'s ``role`` GEMM."""
+    activation = site.kind == "activation_matmul"
+    operand_name = (ACTIVATION_OPERAND_NAMES if activation else OPERAND_NAMES)[role][i]
+    seed = runtime.node_seed(recipe.seed, zlib.crc32(site.name.encode()), role, i)
+    label = f"layer {site.name!r} {role} operand {operand_name}" if recipe.check_finite else ""
+    return seed, label, operand_name
+
+
+def _dequantize(gm: fx.GraphModule, node: fx.Node, parts: list, fmt: str, block: str) -> fx.Node:
+    """fp4.dequantize of the (codes, scales, amax) nodes ``parts`` (with ``val`` metadata), before ``node``."""
     with gm.graph.inserting_before(node):
-        dq = gm.graph.call_function(DEQUANTIZE, (*parts, "nvfp4", "16x16", torch.float32))
-    dq.meta["val"] = DEQUANTIZE(*(p.meta["val"] for p in parts), "nvfp4", "16x16", torch.float32)
+        dq = gm.graph.call_function(DEQUANTIZE, (*parts, fmt, block, torch.float32))
+    dq.meta["val"] = DEQUANTIZE(*(p.meta["val"] for p in parts), fmt, block, torch.float32)
     return dq
 
 
@@ -57,45 +66,35 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         site = ctx.sites[node.args[3]]
         shared = [x for x in node.args[5:8] if x is not None]
         new_args = list(node.args[:5])
-        site_key = zlib.crc32(site.name.encode())
+        activation = site.kind == "activation_matmul"
         for i in (0, 1):
             operand = node.args[i]
             block, rounding = info.blocks[i], info.rounding[i]
-            seed = runtime.node_seed(recipe.seed, site_key, info.role, i)
-            activation = site.kind == "activation_matmul"
-            operand_name = (ACTIVATION_OPERAND_NAMES if activation else OPERAND_NAMES)[info.role][i]
-            label = f"layer {site.name!r} {info.role} operand {operand_name}" if recipe.check_finite else ""
+            seed, label, operand_name = operand_seed_and_label(recipe, site, info.role, i)
             args = (operand, info.precision, block, rounding, seed, label)
             tensor = OPERAND_TENSORS[info.role][i]
             group = distributed.group_key(site.name, tensor) if info.precision == "nvfp4" and not activation else None
+            meta = {"site": site.name, "role": info.role, "operand": operand_name, "block": block, "rounding": rounding,
+                    "amax_group": group}
             if i == 1 and len(shared) == 3 and (info.precision, block, rounding) == ("nvfp4", "16x16", "rne"):
-                new_args[i] = _dequantize_shared(gm, node, shared)
+                new_args[i] = _dequantize(gm, node, shared, info.precision, block)
                 source = shared[0].args[0] if shared[0].target is operator.getitem else shared[0]
-                source.meta["fp4_quantize"] = {
-                    "site": site.name, "role": info.role, "operand": operand_name, "block": block, "rounding": rounding,
-                    "amax_group": None, "shared": "fprop+dgrad",
-                }
+                source.meta["fp4_quantize"] = dict(meta, amax_group=None, shared="fprop+dgrad")
                 inserted += 1
                 continue
-            val = operand.meta["val"]
             with gm.graph.inserting_before(node):
                 if group is None:
                     q = gm.graph.call_function(QUANTIZE, args)
                 else:
                     q = gm.graph.call_function(QUANTIZE_SHARDED, (*args, group))
                 parts = [gm.graph.call_function(operator.getitem, (q, j)) for j in range(3)]
-                dq = gm.graph.call_function(DEQUANTIZE, (*parts, info.precision, block, torch.float32))
-            q.meta["fp4_quantize"] = {
-                "site": site.name, "role": info.role, "operand": operand_name, "block": block, "rounding": rounding,
-                "amax_group": group,
-            }
+            q.meta["fp4_quantize"] = meta
             # Metadata from the ops' own fake implementations (the operand's value is a FakeTensor).
-            parts_val = QUANTIZE(val, *args[1:])
+            parts_val = QUANTIZE(operand.meta["val"], *args[1:])
             q.meta["val"] = parts_val
             for j, p in enumerate(parts):
                 p.meta["val"] = parts_val[j]
-            dq.meta["val"] = DEQUANTIZE(*parts_val, info.precision, block, torch.float32)
-            new_args[i] = dq
+            new_args[i] = _dequantize(gm, node, parts, info.precision, block)
             inserted += 1
         node.args = tuple(new_args)
     gm.graph.lint()

@@ -17,15 +17,16 @@ ranks (``fp4compile.distributed``) are quantized per GEMM as before.
 
 from __future__ import annotations
 
-import zlib
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from fp4compile import distributed, ops, runtime
+from fp4compile import distributed, ops
 from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext
+
+from .insert_quantize import operand_seed_and_label
 
 
 def _share_weight(ctx: CompileContext, site) -> Optional[tuple]:
@@ -35,8 +36,8 @@ def _share_weight(ctx: CompileContext, site) -> Optional[tuple]:
         return None
     if recipe.weight_block != "16x16" or distributed.group_key(site.name, "W") is not None:
         return None
-    seed = runtime.node_seed(recipe.seed, zlib.crc32(site.name.encode()), "fprop", 1)
-    return seed, (f"layer {site.name!r} fprop operand W" if recipe.check_finite else "")
+    seed, label, _ = operand_seed_and_label(recipe, site, "fprop", 1)
+    return seed, label
 
 
 def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
