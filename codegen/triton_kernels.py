@@ -17,7 +17,7 @@ kernel.
 | ``quantize_wgrad_operand_mxfp4(x, ..)`` | the same for RHT(x^T): [K, tokens/2] .. | ``quantize(rht(x.t()), "mxfp4", ..)`` |
 | ``fake_quantize_*`` | (value(code) * block scale in bf16, amax) | ``block_decode(quantize(..))`` |
 | ``dequantize`` / ``block_decode`` | decoded tensor from codes and scales | ``formats.dequantize`` / ``block_decode`` |
-| ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alphas | ``ops.scaled_mm_reference`` |
+| ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alpha | ``ops.scaled_mm_reference`` |
 
 The fake-quant outputs are exact in bf16 (an E2M1 value times an E4M3 scale has at most 6 significant
 bits), so an emulated FP4 GEMM is a plain bf16 GEMM with fp32 accumulation followed by the per-tensor
@@ -81,6 +81,7 @@ __all__ = [
     "dequantize",
     "block_decode",
     "emulated_scaled_mm",
+    "gemm_alpha",
     "quantize_provider",
     "rht_quantize_provider",
     "fake_quantize_provider",
@@ -855,14 +856,19 @@ if triton is not None:
         )
 
     @_jit()
-    def _epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, out_ptr, N, BLOCK: tl.constexpr):
-        """out = (acc * (amax_a * fp32(1/2688))) * (amax_b * fp32(1/2688)), cast to out's dtype."""
+    def _alpha_kernel(amax_a_ptr, amax_b_ptr, alpha_ptr, N, BLOCK: tl.constexpr):
+        """alpha_ptr[0:N] = (amax_a * fp32(1/2688)) * (amax_b * fp32(1/2688)): ``formats.gemm_alpha``."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        alpha = (tl.load(amax_a_ptr) * _INV_GLOBAL) * (tl.load(amax_b_ptr) * _INV_GLOBAL)
+        tl.store(alpha_ptr + offs, tl.full((BLOCK,), 0.0, tl.float32) + alpha, mask=offs < N)
+
+    @_jit()
+    def _epilogue_kernel(acc_ptr, alpha_ptr, out_ptr, N, BLOCK: tl.constexpr):
+        """out = acc * alpha, cast to out's dtype."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
-        scale_a = tl.load(amax_a_ptr) * _INV_GLOBAL
-        scale_b = tl.load(amax_b_ptr) * _INV_GLOBAL
         acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
-        out = _round_to((acc * scale_a) * scale_b, out_ptr.dtype.element_ty)
+        out = _round_to(acc * tl.load(alpha_ptr), out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -1221,28 +1227,51 @@ def block_decode(data: torch.Tensor, scales: torch.Tensor, swizzled: bool = Fals
     return _decode(data, scales, None, torch.bfloat16, swizzled, apply_amax=False)
 
 
+def gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor, count: int = 1) -> torch.Tensor:
+    """``formats.gemm_alpha(amax_a, amax_b)`` on the device, repeated ``count`` times (fp32 [count])."""
+    _require_triton()
+    amax_a = amax_a.detach().to(torch.float32).reshape(1)
+    amax_b = amax_b.detach().to(amax_a.device, torch.float32).reshape(1)
+    alpha = torch.empty(max(count, 1), dtype=torch.float32, device=amax_a.device)
+    block = 1024
+    _alpha_kernel[(triton.cdiv(alpha.numel(), block),)](amax_a, amax_b, alpha, alpha.numel(), BLOCK=block, num_warps=4)
+    return alpha
+
+
 def emulated_scaled_mm(
     a_bd: torch.Tensor, amax_a: torch.Tensor, b_bd: torch.Tensor, amax_b: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """C = A @ B^T for block-decoded operands A [M, K], B [N, K] (bf16, from fake_quantize_* or block_decode).
 
-    fp32 accumulation, then (acc * (amax_a * fp32(1/2688))) * (amax_b * fp32(1/2688)) cast to
-    ``out_dtype``: the arithmetic of ``ops.scaled_mm_reference``, up to the GEMM's summation order.
+    fp32 accumulation, then ``cast(acc * alpha)`` with ``alpha = formats.gemm_alpha(amax_a, amax_b)``: the
+    arithmetic of ``ops.scaled_mm_reference``, up to the GEMM's summation order. On CUDA with
+    ``codegen.cublaslt_gemm`` enabled, one cuBLASLt GEMM reads alpha in its epilogue and writes the
+    bfloat16 output; otherwise ``torch.mm`` writes fp32 and ``_epilogue_kernel`` applies alpha.
     """
     _require_triton()
     if a_bd.dim() != 2 or b_bd.dim() != 2 or a_bd.shape[1] != b_bd.shape[1]:
         raise ValueError(f"emulated_scaled_mm needs A [M, K] and B [N, K], got {tuple(a_bd.shape)} and {tuple(b_bd.shape)}")
+    if a_bd.is_cuda and out_dtype in (torch.bfloat16, torch.float32) and a_bd.dtype == b_bd.dtype == torch.bfloat16:
+        from . import cublaslt_gemm
+
+        if cublaslt_gemm.enabled():
+            alpha = gemm_alpha(amax_a.to(a_bd.device), amax_b, cublaslt_gemm.alpha_length(b_bd.shape[0]))
+            try:
+                return cublaslt_gemm.mm_alpha(a_bd, b_bd, alpha, out_dtype)
+            except cublaslt_gemm.Unsupported as err:
+                if cublaslt_gemm.required():
+                    raise
+                cublaslt_gemm.log_fallback(err)
     if a_bd.is_cuda:
         acc = torch.mm(a_bd, b_bd.t(), out_dtype=torch.float32)
     else:
         acc = a_bd.float() @ b_bd.float().t()
     out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
-    amax_a = amax_a.detach().to(acc.device, torch.float32).reshape(1)
-    amax_b = amax_b.detach().to(acc.device, torch.float32).reshape(1)
+    alpha = gemm_alpha(amax_a.to(acc.device), amax_b)
     cfg = CONFIGS["epilogue"]
     n = acc.numel()
-    _epilogue_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](acc, amax_a, amax_b, out, n, BLOCK=cfg["BLOCK"], **_launch_options(cfg))
+    _epilogue_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](acc, alpha, out, n, BLOCK=cfg["BLOCK"], **_launch_options(cfg))
     return out
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "dequantize",
     "block_decode",
     "global_decode_scale",
+    "gemm_alpha",
     "encode_e2m1",
     "decode_e2m1",
     "pack_e2m1",
@@ -284,6 +285,12 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
 def global_decode_scale(amax: torch.Tensor) -> torch.Tensor:
     """amax / 2688 as the decode formula computes it: amax * fp32(1/2688)."""
     return amax.float() * torch.tensor(1.0 / NVFP4_GLOBAL, dtype=torch.float32)
+
+
+def gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
+    """alpha = (amax_A / 2688) * (amax_B / 2688) in float32: the one factor an NVFP4 GEMM's epilogue
+    multiplies the fp32 sum of block-decoded products by (``out = cast(alpha * acc)``)."""
+    return global_decode_scale(amax_a) * global_decode_scale(amax_b)
 
 
 def quantize(

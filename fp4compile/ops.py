@@ -361,10 +361,10 @@ def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_
 
 
 def _decoded_product(a_bd, a_amax, b_bd, b_amax, fmt: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """A_bd @ B_bd.T of block-decoded operands in fp32, then the global decode scales (NVFP4), cast."""
+    """A_bd @ B_bd.T of block-decoded operands in fp32, times alpha (NVFP4, ``formats.gemm_alpha``), cast."""
     acc = a_bd.float() @ b_bd.float().transpose(-2, -1)
     if fmt == "nvfp4":
-        acc = acc * formats.global_decode_scale(a_amax) * formats.global_decode_scale(b_amax)
+        acc = acc * formats.gemm_alpha(a_amax, b_amax)
     return acc.to(out_dtype)
 
 

@@ -18,7 +18,7 @@ def emulated_mm(qa: formats.QTensor, qb: formats.QTensor) -> torch.Tensor:
     acc = formats.block_decode(qa) @ formats.block_decode(qb).t()
     if qa.fmt == "nvfp4":
         inv = torch.tensor(1.0 / 2688.0)
-        acc = acc * (qa.amax * inv) * (qb.amax * inv)
+        acc = acc * ((qa.amax * inv) * (qb.amax * inv))  # one alpha, one rounding
     return acc
 
 

@@ -24,7 +24,7 @@ def _reference_matmul(a, b):
     qa = formats.quantize(a, "nvfp4", "1x16", "rne")
     qb = formats.quantize(b.transpose(-2, -1).contiguous(), "nvfp4", "1x16", "rne")
     acc = formats.block_decode(qa) @ formats.block_decode(qb).transpose(-2, -1)
-    return acc * formats.global_decode_scale(qa.amax) * formats.global_decode_scale(qb.amax)
+    return acc * formats.gemm_alpha(qa.amax, qb.amax)
 
 
 class Attention(nn.Module):

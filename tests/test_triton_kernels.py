@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from fp4compile import formats  # noqa: E402
+from fp4compile import formats, ops  # noqa: E402
 from fp4compile.codegen import triton_kernels as tk  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's 1/0 in the interpreter
@@ -309,6 +309,35 @@ def test_emulated_scaled_mm():
     expected = formats.dequantize(qa).double() @ formats.dequantize(qb).double().t()
     assert out.shape == (32, 48)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def _exact_sum_operands(m, n, k, seed):
+    """bf16 operands whose products and fp32 sums are exact (small integers): every summation order
+    gives the same fp32 accumulator, so only the epilogue decides the output bits."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(-6, 7, (m, k), generator=g).to(torch.bfloat16)
+    b = torch.randint(-6, 7, (n, k), generator=g).to(torch.bfloat16)
+    return a, b
+
+
+def test_emulated_scaled_mm_applies_alpha_once():
+    """cast(acc * alpha) with alpha = (amax_a / 2688) * (amax_b / 2688), not (acc * s_a) * s_b: amaxes
+    chosen so that the two orders round differently for some outputs."""
+    a, b = _exact_sum_operands(32, 48, 64, seed=3)
+    amax_a, amax_b = torch.tensor(3.0e-3), torch.tensor(7.77e2)
+    acc = a.double() @ b.double().t()
+    alpha = formats.gemm_alpha(amax_a, amax_b)
+    assert alpha.dtype == torch.float32 and alpha == formats.global_decode_scale(amax_a) * formats.global_decode_scale(amax_b)
+    once = acc.float() * alpha
+    twice = acc.float() * formats.global_decode_scale(amax_a) * formats.global_decode_scale(amax_b)
+    assert not torch.equal(once, twice)  # the fp32 output tells the two orders apart
+    for out_dtype in (torch.bfloat16, torch.float32):
+        out = tk.emulated_scaled_mm(a.to(DEVICE), amax_a.to(DEVICE), b.to(DEVICE), amax_b.to(DEVICE), out_dtype).cpu()
+        assert out.dtype == out_dtype
+        assert_same_float(out, (acc.float() * alpha).to(out_dtype))
+        # The CPU reference of the emulated GEMM applies the same single alpha.
+        assert_same_float(ops.emulated_mm(a, amax_a, b, amax_b, "nvfp4", out_dtype), (acc.float() * alpha).to(out_dtype))
+    assert torch.equal(tk.gemm_alpha(amax_a.to(DEVICE), amax_b.to(DEVICE), 5).cpu(), alpha.expand(5))
 
 
 def test_shape_errors():

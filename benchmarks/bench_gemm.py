@@ -1,0 +1,92 @@
+"""The emulated NVFP4 GEMM at the shapes of a GPT training step, against the BF16 GEMM it stands in for.
+
+    python benchmarks/bench_gemm.py [--d-model 1024] [--tokens 16384] [--out DIR]
+
+For each GEMM of one transformer block (fprop, dgrad and wgrad of qkv, proj, fc and out), times with
+``triton.testing.do_bench`` (median, after warm-up):
+
+- ``bf16``: ``torch.mm`` with a bfloat16 output: what the BF16 model runs;
+- ``torch + epilogue``: ``torch.mm`` writing fp32, then the Triton kernel applying alpha
+  (``FP4COMPILE_EMULATED_GEMM=torch``);
+- ``cuBLASLt alpha``: one cuBLASLt GEMM reading alpha in its epilogue and writing bfloat16
+  (``codegen/cublaslt_gemm.py``), alpha's one-launch kernel included.
+
+Before timing, both emulated paths are checked to give the same bits on operands whose sums are exact
+(so the summation order cannot matter). Prints a table and writes bench_gemm.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+
+def shapes(d: int, tokens: int):
+    """(name, M, N, K) of C[M, N] = A[M, K] . B[N, K]^T for the four linears of a GPT block."""
+    linears = {"qkv": (3 * d, d), "proj": (d, d), "fc": (4 * d, d), "out": (d, 4 * d)}
+    for name, (out_f, in_f) in linears.items():
+        yield f"{name} fprop", tokens, out_f, in_f
+        yield f"{name} dgrad", tokens, in_f, out_f
+        yield f"{name} wgrad", out_f, in_f, tokens
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_gemm needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from triton.testing import do_bench
+
+    from fp4compile.codegen import cublaslt_gemm as cl
+    from fp4compile.codegen import triton_kernels as tk
+
+    ok, why = cl.available()
+    print(f"cuBLASLt: {why}", flush=True)
+    if not ok:
+        return 2
+
+    def emulated(mode, a, amax_a, b, amax_b):
+        os.environ[cl.ENV] = mode
+        return tk.emulated_scaled_mm(a, amax_a, b, amax_b)
+
+    amax_a, amax_b = torch.tensor(3.0e-3, device="cuda"), torch.tensor(7.77e2, device="cuda")
+    rows = []
+    for name, m, n, k in shapes(args.d_model, args.tokens):
+        g = torch.Generator(device="cuda").manual_seed(m + n + k)
+        exact_a = torch.randint(-6, 7, (m, k), device="cuda", generator=g).bfloat16()
+        exact_b = torch.randint(-6, 7, (n, k), device="cuda", generator=g).bfloat16()
+        same = torch.equal(emulated("cublaslt", exact_a, amax_a, exact_b, amax_b), emulated("torch", exact_a, amax_a, exact_b, amax_b))
+        a = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+        b = torch.randn(n, k, device="cuda", generator=g).bfloat16()
+        times = {
+            "bf16": do_bench(lambda: torch.mm(a, b.t()), warmup=25, rep=100, return_mode="median"),
+            "torch + epilogue": do_bench(lambda: emulated("torch", a, amax_a, b, amax_b), warmup=25, rep=100, return_mode="median"),
+            "cuBLASLt alpha": do_bench(lambda: emulated("cublaslt", a, amax_a, b, amax_b), warmup=25, rep=100, return_mode="median"),
+        }
+        row = dict(gemm=name, M=m, N=n, K=k, same_bits=same, ms=times, tflops={key: 2 * m * n * k / t / 1e9 for key, t in times.items()})
+        rows.append(row)
+        print(f"{name:12s} {m:6d}x{n:6d}x{k:6d} same bits {same}  " + "  ".join(f"{key} {t * 1e3:7.1f} us" for key, t in times.items()), flush=True)
+    os.environ.pop(cl.ENV, None)
+    total = {key: sum(r["ms"][key] for r in rows) for key in rows[0]["ms"]}
+    print("per block: " + ", ".join(f"{key} {t:.3f} ms" for key, t in total.items()))
+    result = dict(
+        date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+        cublaslt=why, d_model=args.d_model, tokens=args.tokens, rows=rows, per_block_ms=total,
+    )
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_gemm.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return 0 if all(r["same_bits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""The emulated FP4 GEMM's cuBLASLt path (codegen/cublaslt_gemm.py): alpha read on the device, applied
+once in the epilogue, bfloat16 written directly.
+
+The argument checks, layout handling and mode selection run everywhere; the GEMM itself needs a CUDA
+GPU and nvmath-python (tests marked ``gpu``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fp4compile import formats
+from fp4compile.codegen import cublaslt_gemm as cl
+
+CUDA = torch.cuda.is_available()
+HAVE_LT = cl.available()[0]
+needs_lt = pytest.mark.skipif(not HAVE_LT, reason=f"cuBLASLt GEMMs cannot run here: {cl.available()[1]}")
+
+
+def exact_operands(m, n, k, seed=0, device="cpu"):
+    """Small-integer bf16 operands: every product and partial sum is exact in fp32, so any summation
+    order (split-K included) gives the same accumulator and the output bits depend on the epilogue only."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(-6, 7, (m, k), generator=g).to(torch.bfloat16)
+    b = torch.randint(-6, 7, (n, k), generator=g).to(torch.bfloat16)
+    return a.to(device), b.to(device)
+
+
+def expected(a, b, alpha, out_dtype):
+    return ((a.double() @ b.double().t()).float() * alpha.cpu()).to(out_dtype)
+
+
+def test_row_major_layouts():
+    t = torch.zeros(8, 32)
+    assert cl._row_major(t, 8, 32)[1:] == (True, 32)
+    assert cl._row_major(torch.zeros(32, 8).t(), 8, 32)[1:] == (False, 8)  # column-major, ld = rows, no copy
+    wide = torch.zeros(8, 48)[:, :32]
+    out, row_major, ld = cl._row_major(wide, 8, 32)
+    assert (row_major, ld) == (True, 48) and out.data_ptr() == wide.data_ptr()  # padded rows, no copy
+    strided = torch.zeros(8, 64)[:, ::2]
+    out, row_major, ld = cl._row_major(strided, 8, 32)
+    assert (row_major, ld) == (True, 32) and out.is_contiguous()  # neither layout: copied
+
+
+def test_argument_errors_name_the_problem():
+    a, b = exact_operands(4, 8, 16)
+    alpha = torch.ones(8)
+    with pytest.raises(ValueError, match=r"A \[M, K\] and B \[N, K\].*\(4, 16\) and \(8, 32\)"):
+        cl.mm_alpha(a, torch.zeros(8, 32, dtype=torch.bfloat16), alpha)
+    with pytest.raises(TypeError, match="bfloat16 operands, got torch.float32"):
+        cl.mm_alpha(a.float(), b, alpha)
+    with pytest.raises(TypeError, match="bfloat16 or float32, not torch.float16"):
+        cl.mm_alpha(a, b, alpha, torch.float16)
+    with pytest.raises(ValueError, match="one CUDA device"):
+        cl.mm_alpha(a, b, alpha)
+
+
+def test_mode_from_the_environment(monkeypatch):
+    monkeypatch.setenv(cl.ENV, "torch")
+    assert cl.enabled() is False
+    monkeypatch.setenv(cl.ENV, "cuBLAS")
+    with pytest.raises(ValueError, match="FP4COMPILE_EMULATED_GEMM='cublas'"):
+        cl.enabled()
+    monkeypatch.setenv(cl.ENV, "auto")
+    assert cl.enabled() is HAVE_LT
+    if not HAVE_LT:
+        monkeypatch.setenv(cl.ENV, "cublaslt")
+        with pytest.raises(RuntimeError, match="cannot run here"):
+            cl.enabled()
+
+
+@pytest.mark.gpu
+@needs_lt
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n,k", [(16384, 1024, 1024), (300, 200, 16), (4096, 3072, 4096), (1, 1, 32)])
+def test_alpha_applied_once_in_the_epilogue(m, n, k, out_dtype):
+    a, b = exact_operands(m, n, k, seed=m + n + k, device="cuda")
+    alpha = formats.gemm_alpha(torch.tensor(3.0e-3), torch.tensor(7.77e2)).cuda().expand(n).contiguous()
+    out = cl.mm_alpha(a, b, alpha, out_dtype)
+    torch.cuda.synchronize()
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    assert torch.equal(out.cpu().view(torch.uint8), expected(a.cpu(), b.cpu(), alpha[0], out_dtype).view(torch.uint8))
+
+
+@pytest.mark.gpu
+@needs_lt
+def test_operand_layouts_give_the_same_bits():
+    m, n, k = 256, 192, 128
+    a, b = exact_operands(m, n, k, seed=7, device="cuda")
+    alpha = torch.full((n,), 0.3125, device="cuda")
+    ref = cl.mm_alpha(a, b, alpha)
+    a_cm = a.t().contiguous().t()  # column-major [m, k]
+    b_cm = b.t().contiguous().t()
+    a_pad = torch.zeros(m, k + 64, dtype=torch.bfloat16, device="cuda")[:, :k]
+    a_pad.copy_(a)
+    for x, y in ((a_cm, b), (a, b_cm), (a_cm, b_cm), (a_pad, b)):
+        assert torch.equal(cl.mm_alpha(x, y, alpha), ref)
+    assert torch.equal(ref.cpu(), expected(a.cpu(), b.cpu(), alpha[0], torch.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_lt
+def test_random_operands_match_torch_mm():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(2048, 1024, device="cuda", generator=g).bfloat16()
+    b = torch.randn(512, 1024, device="cuda", generator=g).bfloat16()
+    alpha = torch.full((512,), 1.7e-3, device="cuda")
+    out = cl.mm_alpha(a, b, alpha, torch.float32)
+    ref = torch.mm(a, b.t(), out_dtype=torch.float32) * 1.7e-3
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_lt
+def test_alpha_is_read_at_replay_in_a_cuda_graph():
+    a, b = exact_operands(512, 256, 64, seed=11, device="cuda")
+    alpha = torch.full((256,), 0.5, device="cuda")
+    cl.mm_alpha(a, b, alpha)  # plan made before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cl.mm_alpha(a, b, alpha)
+    for value in (0.5, 3.0e-7, 1234.5):
+        alpha.fill_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), expected(a.cpu(), b.cpu(), torch.tensor(value), torch.bfloat16))
+
+
+@pytest.mark.gpu
+@needs_lt
+def test_emulated_scaled_mm_same_bits_with_either_gemm(monkeypatch):
+    from fp4compile.codegen import triton_kernels as tk
+
+    a, b = exact_operands(1000, 768, 256, seed=5, device="cuda")
+    amax_a, amax_b = torch.tensor(3.0e-3, device="cuda"), torch.tensor(7.77e2, device="cuda")
+    outs = {}
+    for mode in ("cublaslt", "torch"):
+        monkeypatch.setenv(cl.ENV, mode)
+        outs[mode] = tk.emulated_scaled_mm(a, amax_a, b, amax_b)
+    assert torch.equal(outs["cublaslt"], outs["torch"])
+    alpha = formats.gemm_alpha(amax_a.cpu(), amax_b.cpu())
+    assert torch.equal(outs["torch"].cpu(), expected(a.cpu(), b.cpu(), alpha, torch.bfloat16))
+
+
+@pytest.mark.skipif(HAVE_LT, reason="checks the message of the fallback")
+def test_fallback_is_logged_once_with_the_reason(monkeypatch, caplog):
+    monkeypatch.setenv(cl.ENV, "auto")
+    monkeypatch.setattr(cl, "_state", {k: v for k, v in cl._state.items() if not (isinstance(k, tuple) and k[0] == "logged")})
+    with caplog.at_level("INFO", logger="fp4compile.codegen"):
+        assert cl.enabled() is False
+        assert cl.enabled() is False
+    lines = [r.getMessage() for r in caplog.records if "emulated FP4 GEMMs" in r.getMessage()]
+    assert len(lines) == 1 and "torch.mm with an fp32 output" in lines[0] and cl.available()[1] in lines[0]
+
+
+@pytest.mark.gpu
+@needs_lt
+def test_out_is_written_never_read():
+    """A NaN-filled ``out`` (also cuBLASLt's C) must not leak into the result: beta is zero."""
+    a, b = exact_operands(2048, 1024, 1024, seed=2, device="cuda")
+    alpha = torch.full((1024,), 0.3125, device="cuda")
+    out = torch.full((2048, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert cl.mm_alpha(a, b, alpha, out=out) is out
+    assert torch.equal(out.cpu(), expected(a.cpu(), b.cpu(), alpha[0].cpu(), torch.bfloat16))
+    with pytest.raises(ValueError, match=r"out must be a contiguous \[2048, 1024\]"):
+        cl.mm_alpha(a, b, alpha, out=out.t())
