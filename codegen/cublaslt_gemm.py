@@ -4,8 +4,8 @@ An emulated NVFP4 GEMM multiplies block-decoded operands (exact in bfloat16) wit
 then applies ``alpha = formats.gemm_alpha(amax_A, amax_B)``, a value that lives on the GPU (it depends on
 both operands' amax). ``torch.mm`` cannot take a device alpha, so without this module the product is
 written in fp32 and read again by a separate epilogue kernel: 8 extra bytes per output element. cuBLASLt
-can read alpha through a pointer (``CUBLASLT_POINTER_MODE_ALPHA_DEVICE_VECTOR_BETA_ZERO``) and write the
-bfloat16 result directly, which is what :func:`mm_alpha` does:
+can read alpha through a pointer (``CUBLASLT_POINTER_MODE_DEVICE``) and write the bfloat16 result
+directly, which is what :func:`mm_alpha` does:
 
     out[M, N] = cast(alpha * sum_k A[m, k] * B[n, k])      fp32 accumulation, fp32 alpha, one rounding
 
@@ -28,7 +28,7 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["ENV", "Unsupported", "available", "enabled", "required", "log_fallback", "mm_alpha", "alpha_length"]
+__all__ = ["ENV", "Unsupported", "available", "enabled", "required", "log_fallback", "mm_alpha"]
 
 log = logging.getLogger("fp4compile.codegen")
 
@@ -39,7 +39,7 @@ WORKSPACE_BYTES = 32 * 1024 * 1024  # what cuBLAS recommends for Hopper
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 _lock = threading.Lock()
-_state: dict = {}  # "lt": the bindings module or an import error; per device: handle, workspace
+_state: dict = {}  # "lt": the bindings module or an import error; per device index: handle, workspace, zero
 _plans: dict = {}
 
 
@@ -108,12 +108,6 @@ def log_fallback(err: Exception) -> None:
         log.warning("fp4compile: this emulated FP4 GEMM runs as torch.mm plus an epilogue kernel: %s", err)
 
 
-def alpha_length(n: int) -> int:
-    """Length of the alpha vector :func:`mm_alpha` reads for an output with ``n`` columns: one value per
-    row of cuBLASLt's column-major D (the row-major output's columns)."""
-    return n
-
-
 def _alignment(t: torch.Tensor) -> int:
     ptr = t.data_ptr()
     align = 256
@@ -132,17 +126,39 @@ def _row_major(t: torch.Tensor, rows: int, cols: int):
     return t.contiguous(), True, cols
 
 
+def _device_alloc(nbytes: int, zero: bool = False) -> int:
+    """cudaMalloc on the current device, outside PyTorch's caching allocator: memory this module keeps
+    for the process must not come from a CUDA-graph pool (Inductor's CUDA graph trees route every
+    allocation made while they warm up or record into the graph's private pool)."""
+    from cuda.bindings import runtime as cudart
+
+    err, ptr = cudart.cudaMalloc(nbytes)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise Unsupported(f"cudaMalloc({nbytes}) for the cuBLASLt workspace failed: {err.name}")
+    if zero:
+        (err,) = cudart.cudaMemset(ptr, 0, nbytes)
+        if err == cudart.cudaError_t.cudaSuccess:
+            (err,) = cudart.cudaDeviceSynchronize()
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise Unsupported(f"clearing the cuBLASLt beta scalar failed: {err.name}")
+    return int(ptr)
+
+
 def _device_state(device: torch.device):
+    """(device index, (cuBLASLt handle, workspace pointer, pointer to a float32 zero)), made once per device."""
     lt = _bindings()
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
         st = _state.get(index)
         if st is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise Unsupported(
+                    f"the first cuBLASLt GEMM on cuda:{index} runs inside a CUDA graph capture, where its "
+                    "workspace cannot be allocated; run one step before capturing"
+                )
             with torch.cuda.device(index):
                 handle = lt.create()
-                workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-                zero = torch.zeros(1, dtype=torch.float32, device=device)  # beta, where it is a pointer
-            st = _state[index] = (handle, workspace, zero)
+                st = _state[index] = (handle, _device_alloc(WORKSPACE_BYTES), _device_alloc(4, zero=True))
     return index, st
 
 
@@ -163,24 +179,12 @@ class Unsupported(RuntimeError):
 
 
 def _plan(key, handle):
-    """The first pointer mode cuBLASLt has an algorithm for: alpha as a device vector with beta zero (C
-    never read), else alpha and beta both device scalars (beta points at a device zero)."""
-    lt = _bindings()
-    errors = []
-    for mode in (lt.PointerMode.ALPHA_DEVICE_VECTOR_BETA_ZERO, lt.PointerMode.DEVICE):
-        try:
-            return _plan_mode(key, handle, int(mode))
-        except Unsupported as err:
-            errors.append(f"{mode.name}: {err}")
-    m, n, k, *_, out_dtype, aligns = key
-    raise Unsupported(
-        f"cuBLASLt has no algorithm for the emulated FP4 GEMM [{m}, {k}] x [{n}, {k}]^T -> {out_dtype} "
-        f"(alignments {aligns}; {'; '.join(errors)}); {ENV}=torch uses torch.mm"
-    )
+    """Descriptors and the heuristic's first algorithm for one GEMM problem (cached by the caller).
 
-
-def _plan_mode(key, handle, pointer_mode: int):
-    """Descriptors and the heuristic's first algorithm for one GEMM problem and pointer mode."""
+    alpha and beta are device pointers (``CUBLASLT_POINTER_MODE_DEVICE``; the vector modes that would
+    let beta be a known zero have no BF16 algorithms on Hopper); beta points at a device zero, and with
+    beta zero the epilogue does not read C (checked on the GPU with a NaN-filled output).
+    """
     import nvmath
     from nvmath.bindings import cublas
 
@@ -190,7 +194,7 @@ def _plan_mode(key, handle, pointer_mode: int):
     desc = lt.matmul_desc_create(int(cublas.ComputeType.COMPUTE_32F), int(nvmath.CudaDataType.CUDA_R_32F))
     attr, dt = lt.MatmulDescAttribute, lt.get_matmul_desc_attribute_dtype
     keep = [
-        _set(lt.matmul_desc_set_attribute, desc, attr.POINTER_MODE, pointer_mode, dt(attr.POINTER_MODE)),
+        _set(lt.matmul_desc_set_attribute, desc, attr.POINTER_MODE, int(lt.PointerMode.DEVICE), dt(attr.POINTER_MODE)),
         _set(lt.matmul_desc_set_attribute, desc, attr.TRANSA, int(op.T if b_row_major else op.N), dt(attr.TRANSA)),
         _set(lt.matmul_desc_set_attribute, desc, attr.TRANSB, int(op.N if a_row_major else op.T), dt(attr.TRANSB)),
     ]
@@ -217,15 +221,18 @@ def _plan_mode(key, handle, pointer_mode: int):
         count[0] = 0
         reason = str(err).split(". ")[0]
     else:
-        reason = "no algorithm returned"
+        reason = "the heuristic returned no algorithm"
     finally:
         lt.matmul_preference_destroy(pref)
     if count[0] < 1:
         for layout in (layout_b, layout_a, layout_d):
             lt.matrix_layout_destroy(layout)
         lt.matmul_desc_destroy(desc)
-        raise Unsupported(reason)
-    return dict(desc=desc, layouts=(layout_b, layout_a, layout_d), results=results, keep=keep, mode=pointer_mode)
+        raise Unsupported(
+            f"cuBLASLt has no algorithm for the emulated FP4 GEMM [{m}, {k}] x [{n}, {k}]^T -> {out_dtype} "
+            f"(alignments {aligns}): {reason}; {ENV}=torch uses torch.mm"
+        )
+    return dict(desc=desc, layouts=(layout_b, layout_a, layout_d), results=results, keep=keep)
 
 
 def mm_alpha(
@@ -233,8 +240,8 @@ def mm_alpha(
 ) -> torch.Tensor:
     """out[M, N] = out_dtype(alpha * (A @ B^T)) for bfloat16 A [M, K], B [N, K] on one CUDA device.
 
-    ``alpha`` is a float32 device vector of :func:`alpha_length` (N) values, all equal for an NVFP4 GEMM;
-    it is read by the GEMM's epilogue, so it may change between the replays of a CUDA graph. ``out``, if
+    ``alpha`` is one float32 value in device memory, read by the GEMM's epilogue: it may change between
+    the replays of a CUDA graph. ``out``, if
     given, is a contiguous [M, N] tensor of ``out_dtype`` whose contents are overwritten, never read.
     Raises :class:`Unsupported` where cuBLASLt has no algorithm for the problem.
     """
@@ -248,8 +255,8 @@ def mm_alpha(
     n = b.shape[0]
     if not (a.is_cuda and b.device == a.device and alpha.device == a.device):
         raise ValueError(f"mm_alpha needs A, B and alpha on one CUDA device, got {a.device}, {b.device}, {alpha.device}")
-    if alpha.dtype != torch.float32 or alpha.numel() != alpha_length(n) or not alpha.is_contiguous():
-        raise ValueError(f"mm_alpha needs alpha as {alpha_length(n)} contiguous float32 values, got {alpha.dtype} {tuple(alpha.shape)}")
+    if alpha.dtype != torch.float32 or alpha.numel() != 1:
+        raise ValueError(f"mm_alpha needs alpha as one float32 value, got {alpha.dtype} {tuple(alpha.shape)}")
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     elif out.shape != (m, n) or out.dtype != out_dtype or out.device != a.device or not out.is_contiguous():
@@ -264,7 +271,7 @@ def mm_alpha(
     b, b_row_major, ldb = _row_major(b, n, k)
     a, a_row_major, lda = _row_major(a, m, k)
     aligns = tuple(min(_alignment(t), 16) for t in (b, a, out, out))
-    index, (handle, workspace, zero) = _device_state(a.device)
+    index, (handle, workspace, zero) = _device_state(a.device)  # raw device pointers
     key = (m, n, k, b_row_major, ldb, a_row_major, lda, out_dtype, aligns)
     plan = _plans.get((index, key))
     if plan is None:
@@ -274,10 +281,9 @@ def mm_alpha(
                 plan = _plans[(index, key)] = _plan(key, handle)
     lt = _bindings()
     layout_b, layout_a, layout_d = plan["layouts"]
-    beta = 0 if plan["mode"] == int(lt.PointerMode.ALPHA_DEVICE_VECTOR_BETA_ZERO) else zero.data_ptr()
     lt.matmul(
-        handle, plan["desc"], alpha.data_ptr(), b.data_ptr(), layout_b, a.data_ptr(), layout_a, beta,
+        handle, plan["desc"], alpha.data_ptr(), b.data_ptr(), layout_b, a.data_ptr(), layout_a, zero,
         out.data_ptr(), layout_d, out.data_ptr(), layout_d, plan["results"].ctypes.data,
-        workspace.data_ptr(), WORKSPACE_BYTES, torch.cuda.current_stream(a.device).cuda_stream,
+        workspace, WORKSPACE_BYTES, torch.cuda.current_stream(a.device).cuda_stream,
     )
     return out

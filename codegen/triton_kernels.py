@@ -1256,7 +1256,7 @@ def emulated_scaled_mm(
         from . import cublaslt_gemm
 
         if cublaslt_gemm.enabled():
-            alpha = gemm_alpha(amax_a.to(a_bd.device), amax_b, cublaslt_gemm.alpha_length(b_bd.shape[0]))
+            alpha = gemm_alpha(amax_a.to(a_bd.device), amax_b)
             try:
                 return cublaslt_gemm.mm_alpha(a_bd, b_bd, alpha, out_dtype)
             except cublaslt_gemm.Unsupported as err:

@@ -45,7 +45,7 @@ def test_row_major_layouts():
 
 def test_argument_errors_name_the_problem():
     a, b = exact_operands(4, 8, 16)
-    alpha = torch.ones(8)
+    alpha = torch.ones(1)
     with pytest.raises(ValueError, match=r"A \[M, K\] and B \[N, K\].*\(4, 16\) and \(8, 32\)"):
         cl.mm_alpha(a, torch.zeros(8, 32, dtype=torch.bfloat16), alpha)
     with pytest.raises(TypeError, match="bfloat16 operands, got torch.float32"):
@@ -76,7 +76,7 @@ def test_mode_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("m,n,k", [(16384, 1024, 1024), (300, 200, 16), (4096, 3072, 4096), (1, 1, 32)])
 def test_alpha_applied_once_in_the_epilogue(m, n, k, out_dtype):
     a, b = exact_operands(m, n, k, seed=m + n + k, device="cuda")
-    alpha = formats.gemm_alpha(torch.tensor(3.0e-3), torch.tensor(7.77e2)).cuda().expand(n).contiguous()
+    alpha = formats.gemm_alpha(torch.tensor(3.0e-3), torch.tensor(7.77e2)).cuda().reshape(1)
     out = cl.mm_alpha(a, b, alpha, out_dtype)
     torch.cuda.synchronize()
     assert out.dtype == out_dtype and out.shape == (m, n)
@@ -88,7 +88,7 @@ def test_alpha_applied_once_in_the_epilogue(m, n, k, out_dtype):
 def test_operand_layouts_give_the_same_bits():
     m, n, k = 256, 192, 128
     a, b = exact_operands(m, n, k, seed=7, device="cuda")
-    alpha = torch.full((n,), 0.3125, device="cuda")
+    alpha = torch.full((1,), 0.3125, device="cuda")
     ref = cl.mm_alpha(a, b, alpha)
     a_cm = a.t().contiguous().t()  # column-major [m, k]
     b_cm = b.t().contiguous().t()
@@ -105,7 +105,7 @@ def test_random_operands_match_torch_mm():
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(2048, 1024, device="cuda", generator=g).bfloat16()
     b = torch.randn(512, 1024, device="cuda", generator=g).bfloat16()
-    alpha = torch.full((512,), 1.7e-3, device="cuda")
+    alpha = torch.full((1,), 1.7e-3, device="cuda")
     out = cl.mm_alpha(a, b, alpha, torch.float32)
     ref = torch.mm(a, b.t(), out_dtype=torch.float32) * 1.7e-3
     torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
@@ -115,7 +115,7 @@ def test_random_operands_match_torch_mm():
 @needs_lt
 def test_alpha_is_read_at_replay_in_a_cuda_graph():
     a, b = exact_operands(512, 256, 64, seed=11, device="cuda")
-    alpha = torch.full((256,), 0.5, device="cuda")
+    alpha = torch.full((1,), 0.5, device="cuda")
     cl.mm_alpha(a, b, alpha)  # plan made before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -159,9 +159,47 @@ def test_fallback_is_logged_once_with_the_reason(monkeypatch, caplog):
 def test_out_is_written_never_read():
     """A NaN-filled ``out`` (also cuBLASLt's C) must not leak into the result: beta is zero."""
     a, b = exact_operands(2048, 1024, 1024, seed=2, device="cuda")
-    alpha = torch.full((1024,), 0.3125, device="cuda")
+    alpha = torch.full((1,), 0.3125, device="cuda")
     out = torch.full((2048, 1024), float("nan"), dtype=torch.bfloat16, device="cuda")
     assert cl.mm_alpha(a, b, alpha, out=out) is out
     assert torch.equal(out.cpu(), expected(a.cpu(), b.cpu(), alpha[0].cpu(), torch.bfloat16))
     with pytest.raises(ValueError, match=r"out must be a contiguous \[2048, 1024\]"):
         cl.mm_alpha(a, b, alpha, out=out.t())
+
+
+@pytest.mark.gpu
+@needs_lt
+def test_first_call_under_inductor_cuda_graphs(tmp_path):
+    """A fresh process whose first emulated GEMM runs in Inductor's CUDA-graph warm-up: the module's
+    workspace must stay outside the graph's memory pool (CUDA graph trees check that every live
+    allocation in the pool is accounted for)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "first_call.py"
+    script.write_text(
+        "import torch, fp4compile\n"
+        "from fp4compile.codegen import cublaslt_gemm as cl\n"
+        "class Proj(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.blocks = torch.nn.ModuleList([torch.nn.Linear(256, 256)])\n"
+        "    def forward(self, x):\n"
+        "        return self.blocks[0](x)\n"
+        "torch.manual_seed(0)\n"
+        "model = Proj().cuda()\n"
+        "backend = fp4compile.Backend(mode='reduce-overhead', high_precision_first_blocks=0, high_precision_last_blocks=0)\n"
+        "step = torch.compile(model, backend=backend)\n"
+        "x, g = torch.randn(4, 512, 256, device='cuda'), torch.randn(4, 512, 256, device='cuda')\n"
+        "for _ in range(4):  # warm-up (the first cuBLASLt call), recording, replays\n"
+        "    xd = x.clone().requires_grad_()\n"
+        "    (step(xd) * g).sum().backward()\n"
+        "    model.zero_grad(set_to_none=True)  # a grad accumulated into a graph's output would be overwritten\n"
+        "torch.cuda.synchronize()\n"
+        "assert any(isinstance(k, int) for k in cl._state), 'cuBLASLt was not used'\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, FP4COMPILE_EMULATED_GEMM="cublaslt", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
