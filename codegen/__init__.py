@@ -6,7 +6,7 @@ says whether it can take the call and why not. The choice and its reason are sto
 | kernel name | where | what |
 |---|---|---|
 | ``cutlass:<config>`` | sm_100 GPUs with CUDA torch | generated CUTLASS SM100 block-scaled NVFP4 GEMM |
-| ``emulation`` | everywhere | block-decode both operands (exact), matmul with fp32 accumulation, alpha; on CUDA a BF16 GEMM with fp32 output on the decoded operands (Triton-decoded for NVFP4) |
+| ``emulation`` | everywhere | block-decode both operands (exact), matmul with fp32 accumulation, alpha; on CUDA a BF16 GEMM on the decoded operands (Triton-decoded for NVFP4) with alpha in cuBLASLt's epilogue (``cublaslt_gemm``) or an fp32 output and an epilogue kernel |
 """
 
 from __future__ import annotations
@@ -85,6 +85,10 @@ def choose_kernel(m, n, k, fmt: str, out_dtype: torch.dtype, device) -> KernelCh
         return choice
     if device.type == "cuda":
         _notice(f"FP4 GEMMs run in emulation on {torch.cuda.get_device_name(device)}: {why_not}")
+        if fmt == "nvfp4":
+            from . import cublaslt_gemm
+
+            why_not = f"{why_not}; emulated GEMM: {cublaslt_gemm.describe()}"
     return KernelChoice("emulation", why_not)
 
 

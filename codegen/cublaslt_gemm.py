@@ -28,18 +28,18 @@ import threading
 import numpy as np
 import torch
 
-__all__ = ["ENV", "Unsupported", "available", "enabled", "required", "log_fallback", "mm_alpha"]
+__all__ = ["ENV", "Unsupported", "available", "enabled", "describe", "required", "log_fallback", "mm_alpha"]
 
 log = logging.getLogger("fp4compile.codegen")
 
 #: ``auto`` (default: cuBLASLt where it can run), ``cublaslt`` (required: an error if it cannot), ``torch``.
 ENV = "FP4COMPILE_EMULATED_GEMM"
 
-WORKSPACE_BYTES = 32 * 1024 * 1024  # what cuBLAS recommends for Hopper
+WORKSPACE_BYTES = 32 * 1024 * 1024  # the most a plan may ask for (what cuBLAS recommends for Hopper)
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 _lock = threading.Lock()
-_state: dict = {}  # "lt": the bindings module or an import error; per device index: handle, workspace, zero
+_state: dict = {}  # "lt": the bindings module or an import error; per device index: (handle, zero) or the failure
 _plans: dict = {}
 
 
@@ -71,6 +71,8 @@ def available() -> tuple[bool, str]:
     lt = _bindings()
     if isinstance(lt, Exception):
         return False, f"nvmath-python is not installed or cannot load cuBLASLt ({lt}); pip install fp4compile[cuda]"
+    if not hasattr(lt, "matmul_heuristic_result_dtype"):
+        return False, "this nvmath-python lacks cublasLt.matmul_heuristic_result_dtype (tested with 1.0)"
     return True, f"cuBLASLt {lt.get_version()} through nvmath-python"
 
 
@@ -93,6 +95,17 @@ def enabled() -> bool:
                 "fp4compile: emulated FP4 GEMMs use torch.mm with an fp32 output and a separate epilogue kernel: %s", why
             )
     return ok
+
+
+def describe() -> str:
+    """Which GEMM the emulation runs on this machine and why, for the report (``enabled()``'s choice)."""
+    try:
+        if enabled():
+            return f"alpha in cuBLASLt's epilogue ({available()[1]})"
+    except (RuntimeError, ValueError) as err:
+        return f"not decided: {err}"
+    why = f"{ENV}=torch" if _mode() == "torch" else available()[1]
+    return f"torch.mm to fp32 and an epilogue kernel ({why})"
 
 
 def required() -> bool:
@@ -126,40 +139,49 @@ def _row_major(t: torch.Tensor, rows: int, cols: int):
     return t.contiguous(), True, cols
 
 
-def _device_alloc(nbytes: int, zero: bool = False) -> int:
-    """cudaMalloc on the current device, outside PyTorch's caching allocator: memory this module keeps
-    for the process must not come from a CUDA-graph pool (Inductor's CUDA graph trees route every
-    allocation made while they warm up or record into the graph's private pool)."""
+def _device_zero() -> int:
+    """A float32 zero in device memory (beta), from cudaMalloc on the current device: outside PyTorch's
+    caching allocator, because memory this module keeps for the process must not come from a CUDA-graph
+    pool (Inductor's CUDA graph trees claim every allocation made while they warm up or record)."""
     from cuda.bindings import runtime as cudart
 
-    err, ptr = cudart.cudaMalloc(nbytes)
+    err, ptr = cudart.cudaMalloc(4)
     if err != cudart.cudaError_t.cudaSuccess:
-        raise Unsupported(f"cudaMalloc({nbytes}) for the cuBLASLt workspace failed: {err.name}")
-    if zero:
-        (err,) = cudart.cudaMemset(ptr, 0, nbytes)
-        if err == cudart.cudaError_t.cudaSuccess:
-            (err,) = cudart.cudaDeviceSynchronize()
-        if err != cudart.cudaError_t.cudaSuccess:
-            raise Unsupported(f"clearing the cuBLASLt beta scalar failed: {err.name}")
+        raise Unsupported(f"cudaMalloc of cuBLASLt's beta scalar failed: {err.name}")
+    (err,) = cudart.cudaMemset(ptr, 0, 4)
+    if err == cudart.cudaError_t.cudaSuccess:
+        (err,) = cudart.cudaDeviceSynchronize()
+    if err != cudart.cudaError_t.cudaSuccess:
+        cudart.cudaFree(ptr)
+        raise Unsupported(f"clearing cuBLASLt's beta scalar failed: {err.name}")
     return int(ptr)
 
 
-def _device_state(device: torch.device):
-    """(device index, (cuBLASLt handle, workspace pointer, pointer to a float32 zero)), made once per device."""
+def _device_state(index: int):
+    """(cuBLASLt handle, pointer to a float32 zero) of device ``index``, made once; a failure to make
+    them is kept too, so that every later call falls back at once."""
     lt = _bindings()
-    index = device.index if device.index is not None else torch.cuda.current_device()
     with _lock:
         st = _state.get(index)
         if st is None:
             if torch.cuda.is_current_stream_capturing():
+                # Not kept: the next call outside a capture may make them.
                 raise Unsupported(
                     f"the first cuBLASLt GEMM on cuda:{index} runs inside a CUDA graph capture, where its "
-                    "workspace cannot be allocated; run one step before capturing"
+                    "scalar cannot be allocated; run one step before capturing"
                 )
-            with torch.cuda.device(index):
+            handle = None
+            try:
                 handle = lt.create()
-                st = _state[index] = (handle, _device_alloc(WORKSPACE_BYTES), _device_alloc(4, zero=True))
-    return index, st
+                st = (handle, _device_zero())
+            except (Unsupported, lt.cuBLASLtError) as err:
+                if handle is not None:
+                    lt.destroy(handle)
+                st = err if isinstance(err, Unsupported) else Unsupported(f"cublasLtCreate failed: {err}")
+            _state[index] = st
+    if isinstance(st, Exception):
+        raise st
+    return st
 
 
 def _set(setter, obj, attr, value, dtype) -> np.ndarray:
@@ -266,24 +288,36 @@ def mm_alpha(
         )
     if m == 0 or n == 0:
         return out
-    if k == 0:
-        return out.zero_()
+    if k == 0:  # alpha * (empty sum): zeros, or NaN where alpha is not finite
+        return out.copy_((alpha * 0).reshape(1, 1).expand(m, n))
     b, b_row_major, ldb = _row_major(b, n, k)
     a, a_row_major, lda = _row_major(a, m, k)
     aligns = tuple(min(_alignment(t), 16) for t in (b, a, out, out))
-    index, (handle, workspace, zero) = _device_state(a.device)  # raw device pointers
-    key = (m, n, k, b_row_major, ldb, a_row_major, lda, out_dtype, aligns)
-    plan = _plans.get((index, key))
-    if plan is None:
-        with _lock:
-            plan = _plans.get((index, key))
-            if plan is None:
-                plan = _plans[(index, key)] = _plan(key, handle)
-    lt = _bindings()
-    layout_b, layout_a, layout_d = plan["layouts"]
-    lt.matmul(
-        handle, plan["desc"], alpha.data_ptr(), b.data_ptr(), layout_b, a.data_ptr(), layout_a, zero,
-        out.data_ptr(), layout_d, out.data_ptr(), layout_d, plan["results"].ctypes.data,
-        workspace, WORKSPACE_BYTES, torch.cuda.current_stream(a.device).cuda_stream,
-    )
+    index = a.device.index
+    with torch.cuda.device(index):  # the heuristic and the launch use the operands' device
+        handle, zero = _device_state(index)
+        key = (m, n, k, b_row_major, ldb, a_row_major, lda, out_dtype, aligns)
+        plan = _plans.get((index, key))
+        if plan is None:
+            with _lock:
+                plan = _plans.get((index, key))
+                if plan is None:
+                    try:
+                        plan = _plan(key, handle)
+                    except Unsupported as err:
+                        plan = err  # kept: the same problem falls back at once next time
+                    _plans[(index, key)] = plan
+        if isinstance(plan, Exception):
+            raise plan
+        lt = _bindings()
+        layout_b, layout_a, layout_d = plan["layouts"]
+        # A workspace per call, from the caching allocator on this stream: concurrent GEMMs on other
+        # streams never share it, and inside a CUDA graph it is one of the graph's temporaries.
+        ws_bytes = int(plan["results"]["workspace_size"][0])
+        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=a.device) if ws_bytes else None
+        lt.matmul(
+            handle, plan["desc"], alpha.data_ptr(), b.data_ptr(), layout_b, a.data_ptr(), layout_a, zero,
+            out.data_ptr(), layout_d, out.data_ptr(), layout_d, plan["results"].ctypes.data,
+            workspace.data_ptr() if ws_bytes else 0, ws_bytes, torch.cuda.current_stream(a.device).cuda_stream,
+        )
     return out

@@ -1252,23 +1252,26 @@ def emulated_scaled_mm(
     _require_triton()
     if a_bd.dim() != 2 or b_bd.dim() != 2 or a_bd.shape[1] != b_bd.shape[1]:
         raise ValueError(f"emulated_scaled_mm needs A [M, K] and B [N, K], got {tuple(a_bd.shape)} and {tuple(b_bd.shape)}")
-    if a_bd.is_cuda and out_dtype in (torch.bfloat16, torch.float32) and a_bd.dtype == b_bd.dtype == torch.bfloat16:
+    alpha = gemm_alpha(amax_a.to(a_bd.device), amax_b)
+    if a_bd.is_cuda:
         from . import cublaslt_gemm
 
         if cublaslt_gemm.enabled():
-            alpha = gemm_alpha(amax_a.to(a_bd.device), amax_b)
             try:
+                if out_dtype not in (torch.bfloat16, torch.float32) or not a_bd.dtype == b_bd.dtype == torch.bfloat16:
+                    raise cublaslt_gemm.Unsupported(
+                        f"the cuBLASLt path takes bfloat16 operands and a bfloat16 or float32 output, got "
+                        f"{a_bd.dtype} x {b_bd.dtype} -> {out_dtype}"
+                    )
                 return cublaslt_gemm.mm_alpha(a_bd, b_bd, alpha, out_dtype)
             except cublaslt_gemm.Unsupported as err:
                 if cublaslt_gemm.required():
                     raise
                 cublaslt_gemm.log_fallback(err)
-    if a_bd.is_cuda:
         acc = torch.mm(a_bd, b_bd.t(), out_dtype=torch.float32)
     else:
         acc = a_bd.float() @ b_bd.float().t()
     out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
-    alpha = gemm_alpha(amax_a.to(acc.device), amax_b)
     cfg = CONFIGS["epilogue"]
     n = acc.numel()
     _epilogue_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](acc, alpha, out, n, BLOCK=cfg["BLOCK"], **_launch_options(cfg))

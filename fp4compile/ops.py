@@ -353,7 +353,7 @@ def block_decode(data, scales, amax, fmt: str) -> torch.Tensor:
 
 def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype):
     """Emulated block-scaled FP4 GEMM: (block-decoded A) @ (block-decoded B).T with fp32 accumulation,
-    then alpha = amax_A * amax_B / 2688**2 (NVFP4) applied once, as a Blackwell epilogue does.
+    then alpha = ``formats.gemm_alpha(amax_A, amax_B)`` (NVFP4) applied once, as a Blackwell epilogue does.
     Batched operands [..., M, K/2] and [..., N, K/2] (activation matmuls) multiply per leading index."""
     return _decoded_product(
         block_decode(a, a_scales, a_amax, fmt), a_amax, block_decode(b, b_scales, b_amax, fmt), b_amax, fmt, out_dtype
@@ -397,9 +397,10 @@ def emulated_mm(
     a: torch.Tensor, a_amax: torch.Tensor, b: torch.Tensor, b_amax: torch.Tensor, fmt: str, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """C = A @ B.T for block-decoded operands A [M, K], B [N, K] (bfloat16, from ``fp4.fake_quantize``):
-    fp32 accumulation, then alpha = amax_A * amax_B / 2688**2 (NVFP4) once, cast to ``out_dtype``; the
-    arithmetic of ``fp4.scaled_mm``'s emulation on the same operands. On CUDA: a BF16 GEMM with fp32
-    output and the Triton epilogue."""
+    fp32 accumulation, then alpha = ``formats.gemm_alpha(a_amax, b_amax)`` (NVFP4) once, cast to
+    ``out_dtype``; the arithmetic of ``fp4.scaled_mm``'s emulation on the same operands. On CUDA:
+    ``triton_kernels.emulated_scaled_mm`` (alpha in cuBLASLt's epilogue, or an fp32 output and the
+    Triton epilogue kernel)."""
     if a.is_cuda and fmt == "nvfp4" and a.dim() == 2 and b.dim() == 2:
         from fp4compile.codegen import triton_kernels
 

@@ -8,8 +8,9 @@ becomes ``fp4.emulated_mm(a_bd, a_amax, b_bd, b_amax, fmt, dtype)`` on ``fp4.fak
 ``fp4.fake_rht_quantize`` nodes with the same arguments (seed, check label, metadata): the same codes
 and scales, but the quantizing kernel writes value(code) * block scale in BF16 (exact) instead of packed
 codes, so no decode pass runs before the GEMM. The result has the bits of the ``scaled_mm`` it replaces.
-The global scales stay inside ``fp4.emulated_mm`` (its own epilogue kernel): as graph nodes fused by
-Inductor into the consumer (a multiply and the bias add can become one FMA) the bits changed.
+alpha stays inside ``fp4.emulated_mm`` (applied by the GEMM's epilogue, see ``codegen.cublaslt_gemm``):
+as graph nodes fused by Inductor into the consumer (a multiply and the bias add can become one FMA) the
+bits changed.
 An operand whose packed form something else also reads (the weight quantized once for fprop and dgrad
 and kept for the backward, its transposed form, a sharded-amax quantization) is decoded by
 ``fp4.decode_blocks`` instead (one pass over the packed codes).

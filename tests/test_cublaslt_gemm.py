@@ -73,7 +73,9 @@ def test_mode_from_the_environment(monkeypatch):
 @pytest.mark.gpu
 @needs_lt
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m,n,k", [(16384, 1024, 1024), (300, 200, 16), (4096, 3072, 4096), (1, 1, 32)])
+# (64, 64, 65536): few output tiles and a long K, where cuBLASLt is likely to split K: the partial sums
+# must be reduced in fp32 (a bf16 reduction would change these exact sums).
+@pytest.mark.parametrize("m,n,k", [(16384, 1024, 1024), (300, 200, 16), (4096, 3072, 4096), (1, 1, 32), (64, 64, 65536)])
 def test_alpha_applied_once_in_the_epilogue(m, n, k, out_dtype):
     a, b = exact_operands(m, n, k, seed=m + n + k, device="cuda")
     alpha = formats.gemm_alpha(torch.tensor(3.0e-3), torch.tensor(7.77e2)).cuda().reshape(1)
@@ -164,7 +166,9 @@ def test_out_is_written_never_read():
     assert cl.mm_alpha(a, b, alpha, out=out) is out
     assert torch.equal(out.cpu(), expected(a.cpu(), b.cpu(), alpha[0].cpu(), torch.bfloat16))
     with pytest.raises(ValueError, match=r"out must be a contiguous \[2048, 1024\]"):
-        cl.mm_alpha(a, b, alpha, out=out.t())
+        cl.mm_alpha(a, b, alpha, out=torch.empty(1024, 2048, dtype=torch.bfloat16, device="cuda").t())
+    with pytest.raises(ValueError, match=r"out must be a contiguous \[2048, 1024\]"):
+        cl.mm_alpha(a, b, alpha, out=out[:, :512])
 
 
 @pytest.mark.gpu
@@ -203,3 +207,54 @@ def test_first_call_under_inductor_cuda_graphs(tmp_path):
     env = dict(os.environ, FP4COMPILE_EMULATED_GEMM="cublaslt", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_describe_names_the_path_and_the_reason(monkeypatch):
+    monkeypatch.setenv(cl.ENV, "torch")
+    assert cl.describe() == "torch.mm to fp32 and an epilogue kernel (FP4COMPILE_EMULATED_GEMM=torch)"
+    monkeypatch.setenv(cl.ENV, "auto")
+    if HAVE_LT:
+        assert cl.describe().startswith("alpha in cuBLASLt's epilogue")
+    else:
+        assert cl.describe() == f"torch.mm to fp32 and an epilogue kernel ({cl.available()[1]})"
+    monkeypatch.setenv(cl.ENV, "nonsense")
+    assert cl.describe().startswith("not decided: FP4COMPILE_EMULATED_GEMM='nonsense'")
+
+
+@pytest.mark.gpu
+@needs_lt
+def test_empty_sum_keeps_a_non_finite_alpha_visible():
+    a, b = torch.zeros(4, 0, dtype=torch.bfloat16, device="cuda"), torch.zeros(3, 0, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(cl.mm_alpha(a, b, torch.ones(1, device="cuda")).cpu(), torch.zeros(4, 3, dtype=torch.bfloat16))
+    assert cl.mm_alpha(a, b, torch.full((1,), float("inf"), device="cuda")).isnan().all()
+
+
+@pytest.mark.gpu
+@needs_lt
+def test_a_problem_cublaslt_refuses_falls_back_or_raises(monkeypatch, caplog):
+    """auto: the emulated GEMM falls back to torch.mm plus the epilogue kernel (same bits on exact sums),
+    logged once, and the refusal is remembered; cublaslt: the refusal is an error."""
+    from fp4compile.codegen import triton_kernels as tk
+
+    calls = []
+
+    def refuse(key, handle):
+        calls.append(key)
+        raise cl.Unsupported("refused for the test")
+
+    monkeypatch.setattr(cl, "_plan", refuse)
+    monkeypatch.setattr(cl, "_plans", {})
+    a, b = exact_operands(256, 128, 64, seed=9, device="cuda")
+    amax_a, amax_b = torch.tensor(3.0e-3, device="cuda"), torch.tensor(7.77e2, device="cuda")
+    expect = expected(a.cpu(), b.cpu(), formats.gemm_alpha(amax_a.cpu(), amax_b.cpu()), torch.bfloat16)
+    monkeypatch.setenv(cl.ENV, "auto")
+    with caplog.at_level("WARNING", logger="fp4compile.codegen"):
+        for _ in range(2):
+            assert torch.equal(tk.emulated_scaled_mm(a, amax_a, b, amax_b).cpu(), expect)
+    assert len(calls) == 1  # planned once, the refusal kept
+    assert sum("refused for the test" in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setenv(cl.ENV, "cublaslt")
+    with pytest.raises(cl.Unsupported, match="refused for the test"):
+        tk.emulated_scaled_mm(a, amax_a, b, amax_b)
+    with pytest.raises(cl.Unsupported, match="bfloat16 operands"):
+        tk.emulated_scaled_mm(a, amax_a, b, amax_b, torch.float16)
