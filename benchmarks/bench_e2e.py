@@ -140,6 +140,9 @@ def run_variant(variant: str, d_model: int, n_layer: int, steps: int, batch: int
     if backend is not None:
         out["plan"] = backend.report.precision_table().splitlines()[-1]
         out["cudagraph_skips"] = int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
+        from fp4compile.codegen import cublaslt_gemm
+
+        out["emulated_gemm"] = cublaslt_gemm.describe()
     return out
 
 

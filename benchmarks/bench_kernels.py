@@ -319,9 +319,11 @@ def time_anchor(x, outputs, median_ms) -> dict:
 
 def time_gemm(x, median_ms) -> dict:
     """emulated_scaled_mm on 8192^3 against the bf16 GEMM it is built on, and its error vs fp64."""
+    from fp4compile.codegen import cublaslt_gemm
     from fp4compile.codegen import triton_kernels as tk
 
-    gemm = dict(name=f"emulated_scaled_mm {x.shape[0]}^3", flops=2 * x.shape[0] * x.shape[1] * x.shape[0])
+    gemm = dict(name=f"emulated_scaled_mm {x.shape[0]}^3", flops=2 * x.shape[0] * x.shape[1] * x.shape[0],
+                path=cublaslt_gemm.describe())
     try:
         a_bd, amax_a = tk.fake_quantize_1x16(x)
         b_bd, amax_b = tk.fake_quantize_16x16(x)

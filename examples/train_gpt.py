@@ -250,6 +250,15 @@ def make_recipe(args: argparse.Namespace):
     return fp4compile.Recipe(**kwargs)
 
 
+def _emulated_gemm(device) -> str | None:
+    """Which GEMM runs emulated FP4 products on a CUDA device (cuBLASLt with alpha, or torch.mm plus an epilogue)."""
+    if device.type != "cuda":
+        return None
+    from fp4compile.codegen import cublaslt_gemm
+
+    return cublaslt_gemm.describe()
+
+
 def _recipe_record(recipe) -> object:
     if recipe is None:
         return None
@@ -441,7 +450,8 @@ def _train(argv: Optional[Sequence[str]], cleanup: contextlib.ExitStack) -> dict
         "autocast": use_autocast,
         "env": {"torch": str(torch.__version__), "python": platform.python_version(), "device": str(device),
                 "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
-                "threads": torch.get_num_threads()},
+                "threads": torch.get_num_threads(),
+                "emulated_gemm": _emulated_gemm(device)},
         "precision_table": None,
         # Optimizer steps completed when every GEMM went back to high precision (--bf16-switch-at).
         "high_precision_from_step": None,
