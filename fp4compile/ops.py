@@ -426,6 +426,19 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """An activation entering an FP4 GEMM under autocast, cast to the autocast dtype as autocast casts
+    ``F.linear``'s inputs (floating point, not float64): it is quantized from, and saved for the
+    backward in, the precision the BF16 model would use (LayerNorm outputs arrive in float32 under
+    autocast). Weights are quantized from the parameters as stored."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and x.is_floating_point() and x.dtype != torch.float64:
+        dtype = torch.get_autocast_dtype(device_type)
+        if x.dtype != dtype:
+            return x.to(dtype)
+    return x
+
+
 class _LinearFunction(torch.autograd.Function):
     """y = x W^T + b whose forward and backward are three role-tagged ``fp4.gemm`` calls.
 
@@ -479,6 +492,7 @@ def linear(
     seed constant and check label), for the fprop GEMM and, transposed, for the dgrad GEMM; the packed
     weight is what the backward keeps. ``None``: each GEMM's operands are quantized by the passes.
     """
+    x = _autocast_input(x)
     return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x), share_weight)
 
 
@@ -513,6 +527,7 @@ class _MatmulFunction(torch.autograd.Function):
 
 def matmul(a: torch.Tensor, b: torch.Tensor, site: int) -> torch.Tensor:
     """``a @ b`` of two activations whose three GEMMs carry role and site tags (see ``_MatmulFunction``)."""
+    a, b = _autocast_input(a), _autocast_input(b)
     return _MatmulFunction.apply(a, b, site, _compute_dtype(a))
 
 

@@ -297,6 +297,41 @@ def test_autocast_bf16_keeps_high_precision_gemms_in_bf16():
     assert model.blocks[1].mlp.fc.weight.grad.dtype == torch.float32
 
 
+def _saved_activations(model, backend, idx):
+    """dtype and shape of every tensor the compiled step saves for its backward that is not a parameter."""
+    params = {p.data_ptr() for p in model.parameters()}
+    saved = []
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = lm_loss(torch.compile(model, backend=backend)(idx).float(), idx)
+    loss.backward()
+    return saved
+
+
+def test_autocast_activations_enter_fp4_gemms_in_the_autocast_dtype():
+    """Under autocast, LayerNorm outputs arrive in float32; an FP4 linear casts them to the autocast dtype
+    first, as autocast does for F.linear: they are quantized from, and saved for the backward in, bf16.
+    The step then saves no more than the BF16 model does (which also saves bf16 copies of its weights)."""
+    idx = torch.randint(0, 64, (2, 32))
+    fp4 = _saved_activations(_gpt(n_layer=2), Backend(inner="eager", high_precision_first_blocks=0, high_precision_last_blocks=0), idx)
+    torch._dynamo.reset()
+    bf16 = _saved_activations(_gpt(n_layer=2), "aot_eager", idx)
+    tokens_by_d = {(64, 32), (32, 64)}  # the LayerNorm outputs feeding qkv and fc, either layout
+    assert [d for d, shape in fp4 if shape in tokens_by_d and d == torch.float32] == []
+    assert sum(shape in tokens_by_d and d == torch.bfloat16 for d, shape in fp4) >= 4  # qkv and fc inputs, 2 blocks
+
+    def nbytes(saved):
+        return sum(torch.Size(shape).numel() * torch.empty((), dtype=d).element_size() for d, shape in saved)
+
+    assert nbytes(fp4) <= nbytes(bf16)
+
+
 def test_switch_to_high_precision_recompiles_once():
     model = _gpt(n_layer=4)
     backend = Backend(inner="eager", switch_to_high_precision_at=2)
