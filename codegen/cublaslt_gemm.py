@@ -184,10 +184,10 @@ def _device_state(index: int):
     return st
 
 
-def _set(setter, obj, attr, value, dtype) -> np.ndarray:
-    buf = np.array([value], dtype=dtype)
+def _set(setter, dtype_of, obj, attr, value) -> None:
+    """Set one descriptor or preference attribute (cuBLASLt copies the value)."""
+    buf = np.array([value], dtype=dtype_of(attr))
     setter(obj, int(attr), buf.ctypes.data, buf.nbytes)
-    return buf
 
 
 def _cuda_dtype(dtype: torch.dtype) -> int:
@@ -214,12 +214,11 @@ def _plan(key, handle):
     m, n, k, b_row_major, ldb, a_row_major, lda, out_dtype, aligns = key
     op = cublas.Operation
     desc = lt.matmul_desc_create(int(cublas.ComputeType.COMPUTE_32F), int(nvmath.CudaDataType.CUDA_R_32F))
-    attr, dt = lt.MatmulDescAttribute, lt.get_matmul_desc_attribute_dtype
-    keep = [
-        _set(lt.matmul_desc_set_attribute, desc, attr.POINTER_MODE, int(lt.PointerMode.DEVICE), dt(attr.POINTER_MODE)),
-        _set(lt.matmul_desc_set_attribute, desc, attr.TRANSA, int(op.T if b_row_major else op.N), dt(attr.TRANSA)),
-        _set(lt.matmul_desc_set_attribute, desc, attr.TRANSB, int(op.N if a_row_major else op.T), dt(attr.TRANSB)),
-    ]
+    attr = lt.MatmulDescAttribute
+    set_desc = functools.partial(_set, lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype, desc)
+    set_desc(attr.POINTER_MODE, int(lt.PointerMode.DEVICE))
+    set_desc(attr.TRANSA, int(op.T if b_row_major else op.N))
+    set_desc(attr.TRANSB, int(op.N if a_row_major else op.T))
     bf16 = _cuda_dtype(torch.bfloat16)
     # The row-major output [m, n] is cuBLASLt's column-major D [n, m] = op(B) [n, k] . op(A) [k, m]. A
     # row-major [r, c] matrix is a column-major [c, r] one: B row-major is read transposed, A as stored.
@@ -227,14 +226,13 @@ def _plan(key, handle):
     layout_a = lt.matrix_layout_create(bf16, k if a_row_major else m, m if a_row_major else k, lda)
     layout_d = lt.matrix_layout_create(_cuda_dtype(out_dtype), n, m, n)
     pref = lt.matmul_preference_create()
-    pattr, pdt = lt.MatmulPreferenceAttribute, lt.get_matmul_preference_attribute_dtype
-    keep.append(_set(lt.matmul_preference_set_attribute, pref, pattr.MAX_WORKSPACE_BYTES, WORKSPACE_BYTES, pdt(pattr.MAX_WORKSPACE_BYTES)))
+    pattr = lt.MatmulPreferenceAttribute
+    set_pref = functools.partial(_set, lt.matmul_preference_set_attribute, lt.get_matmul_preference_attribute_dtype, pref)
+    set_pref(pattr.MAX_WORKSPACE_BYTES, WORKSPACE_BYTES)
     # Split-K partial sums in fp32 only: never in place in the output (bf16) or in the output type.
-    keep.append(_set(lt.matmul_preference_set_attribute, pref, pattr.REDUCTION_SCHEME_MASK,
-                     int(lt.ReductionScheme.COMPUTE_TYPE), pdt(pattr.REDUCTION_SCHEME_MASK)))
+    set_pref(pattr.REDUCTION_SCHEME_MASK, int(lt.ReductionScheme.COMPUTE_TYPE))
     for name, align in zip(("MIN_ALIGNMENT_A_BYTES", "MIN_ALIGNMENT_B_BYTES", "MIN_ALIGNMENT_C_BYTES", "MIN_ALIGNMENT_D_BYTES"), aligns):
-        a = getattr(pattr, name)
-        keep.append(_set(lt.matmul_preference_set_attribute, pref, a, align, pdt(a)))
+        set_pref(getattr(pattr, name), align)
     results = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
     count = np.zeros(1, dtype=np.int32)
     try:
@@ -254,7 +252,7 @@ def _plan(key, handle):
             f"cuBLASLt has no algorithm for the emulated FP4 GEMM [{m}, {k}] x [{n}, {k}]^T -> {out_dtype} "
             f"(alignments {aligns}): {reason}; {ENV}=torch uses torch.mm"
         )
-    return dict(desc=desc, layouts=(layout_b, layout_a, layout_d), results=results, keep=keep)
+    return dict(desc=desc, layouts=(layout_b, layout_a, layout_d), results=results)
 
 
 def mm_alpha(

@@ -108,19 +108,24 @@ def _given_amax(amax: Optional[torch.Tensor], fmt: str, x: torch.Tensor, what: s
     return {"amax": amax, "amax_is_own": True}
 
 
-def _own_amax(outputs: tuple, given: Optional[torch.Tensor]) -> tuple:
-    """A kernel's outputs with the amax it was given (returned as it is) copied: an op's output may not
-    alias its input."""
-    if given is None:
+def _run_kernel(kernel, x, rounding: str, node: int, fmt: str, amax: Optional[torch.Tensor], what: str) -> tuple:
+    """A quantize kernel's outputs (..., amax) for x, handed x's own ``amax`` where an earlier node
+    computed it; that amax, which the kernel returns as it is, is copied: an op's output may not alias
+    its input."""
+    outputs = kernel(x, rounding, _kernel_stream(x, rounding, node), **_given_amax(amax, fmt, x, what))
+    if amax is None:
         return outputs
     return (*outputs[:-1], outputs[-1].clone())
 
 
-def _quantize(x: torch.Tensor, fmt: str, block: str, rounding: str, node: int, amax: Optional[torch.Tensor] = None):
-    given = _given_amax(amax, fmt, x, "fp4.quantize")
+def _quantize(
+    x: torch.Tensor, fmt: str, block: str, rounding: str, node: int, amax: Optional[torch.Tensor] = None,
+    what: str = "fp4.quantize",
+):
     kernel = runtime.quantize_kernel(x, fmt, block)
     if kernel is not None:
-        return _own_amax(kernel(x, rounding, _kernel_stream(x, rounding, node), **given), amax)
+        return _run_kernel(kernel, x, rounding, node, fmt, amax, what)
+    _given_amax(amax, fmt, x, what)  # the checks of a given amax, as on the kernel path
     stream = _host_stream(x, rounding, node, "fp4.quantize")
     q = formats.quantize(x, fmt, block, rounding, seed=stream, amax=amax)
     amax = q.amax if q.amax is not None else x.float().abs().amax()
@@ -179,12 +184,11 @@ def rht_quantize(
     the RHT output is never written out. Elsewhere the op runs ``formats.rht`` and then the quantizer.
     A given ``amax`` (NVFP4) is that of ``formats.rht(x, size)`` (``fp4.wgrad_amax``'s second result).
     """
-    given = _given_amax(amax, fmt, x, "fp4.rht_quantize")
     kernel = runtime.rht_quantize_kernel(x, size, fmt, block)
     if kernel is not None:
-        data, scales, amax = _own_amax(kernel(x, rounding, _kernel_stream(x, rounding, seed), **given), amax)
+        data, scales, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.rht_quantize")
     else:
-        data, scales, amax = _quantize(formats.rht(x, size), fmt, block, rounding, seed, amax)
+        data, scales, amax = _quantize(formats.rht(x, size), fmt, block, rounding, seed, amax, "fp4.rht_quantize")
     _check_finite(check, amax, x, size)
     return data, scales, amax
 
@@ -238,8 +242,7 @@ def fake_quantize(
     kernel = runtime.fake_quantize_kernel(x, fmt, block)
     if kernel is None:
         return _decoded(*torch.ops.fp4.quantize.default(x, fmt, block, rounding, seed, check, amax), fmt)
-    given = _given_amax(amax, fmt, x, "fp4.fake_quantize")
-    decoded, amax = _own_amax(kernel(x, rounding, _kernel_stream(x, rounding, seed), **given), amax)
+    decoded, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.fake_quantize")
     _check_finite(check, amax, x)
     return decoded, amax
 
@@ -260,8 +263,7 @@ def fake_rht_quantize(
     kernel = runtime.fake_rht_quantize_kernel(x, size, fmt, block)
     if kernel is None:
         return _decoded(*torch.ops.fp4.rht_quantize.default(x, size, fmt, block, rounding, seed, check, amax), fmt)
-    given = _given_amax(amax, fmt, x, "fp4.fake_rht_quantize")
-    decoded, amax = _own_amax(kernel(x, rounding, _kernel_stream(x, rounding, seed), **given), amax)
+    decoded, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.fake_rht_quantize")
     _check_finite(check, amax, x, size)
     return decoded, amax
 
@@ -276,7 +278,7 @@ def transpose_quantized(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch
     """(codes, scales) of W^T from those of W [N, K] quantized with NVFP4 16x16 tiles: codes [K, N/2] and
     scales [K, N/16] (the tile scales, repeated on each row, as ``formats`` stores them). Bit for bit
     what quantizing W^T gives (NUMERICS: one quantized weight for fprop and dgrad), without reading W."""
-    n, k = data.shape[0], data.shape[1] * 2
+    n, k = (data.shape[0], data.shape[1] * 2) if data.dim() == 2 else (0, 0)
     if data.dim() != 2 or n % 16 or k % 16 or tuple(scales.shape) != (n, k // 16):
         raise ValueError(
             f"fp4.transpose_quantized takes a 16x16-tile quantized [N, K] weight (N, K multiples of 16): "
