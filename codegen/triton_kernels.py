@@ -2,9 +2,9 @@
 
 Every kernel produces exactly the bits of ``fp4compile.formats`` (the CPU reference): the same packed
 E2M1 codes, E4M3 (or E8M0) block scales and global amax, including stochastic rounding (the
-counter-based bits of ``formats.sr_random_bits`` are regenerated per element from (seed, flat index))
-and the NaN/Inf/zero cases of the global scale. What they add is speed: one pass over the tensor per
-kernel.
+counter-based bits of ``formats.sr_random_bits`` are regenerated from (seed, flat index), one hash per
+pair of elements) and the NaN/Inf/zero cases of the global scale. What they add is speed: one pass
+over the tensor per kernel.
 
 | function | what it returns | equals |
 |---|---|---|
@@ -152,7 +152,6 @@ if triton is not None:
     _NVFP4_GLOBAL = tl.constexpr(formats.NVFP4_GLOBAL)
     _ONE_SIXTH = tl.constexpr(_f32(1.0 / 6.0))
     _INV_GLOBAL = tl.constexpr(_f32(1.0 / formats.NVFP4_GLOBAL))
-    _TWO_POW_M24 = tl.constexpr(2.0**-24)
     # Bit i set where the RHT sign vector has -1 at i.
     _RHT_NEG = tl.constexpr(sum(1 << i for i, s in enumerate(formats.DEFAULT_RHT_SIGNS) if s < 0))
 
@@ -261,7 +260,8 @@ if triton is not None:
         """(4-bit code, signed E2M1 value) of v rounded stochastically, as ``formats._e2m1_index_sr``.
 
         lo is m truncated to the grid (one mantissa bit from 1 up; 0 or 0.5 below), the step is
-        binade / 2, so frac = (m - lo) / step is exact; hi is taken when (rand >> 8) * 2**-24 < frac.
+        binade / 2, so frac = (m - lo) / step is exact; hi is taken when u = rand * 2**-16 < frac, with u
+        made exactly by placing the 16 bits of ``rand`` under the mantissa's top of 1.0 and subtracting 1.
         """
         m, bits, binade, sign = _grid_position(v)
         normal = m >= 1.0
@@ -270,7 +270,8 @@ if triton is not None:
         lo = lo_bits.to(tl.float32, bitcast=True)
         step = (binade - 0x00800000).to(tl.float32, bitcast=True)
         inv_step = (0x7F800000 - binade).to(tl.float32, bitcast=True)
-        up = (rand >> 8).to(tl.float32) * _TWO_POW_M24 < (m - lo) * inv_step
+        u = ((rand << 7) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+        up = u < (m - lo) * inv_step
         idx = tl.where(normal, (lo_bits >> 22) - 252, half.to(tl.uint32)) + up.to(tl.uint32)
         value = (tl.where(up, lo + step, lo).to(tl.uint32, bitcast=True) | (sign << 28)).to(tl.float32, bitcast=True)
         return idx | sign, value
@@ -293,20 +294,35 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @_jit()
-    def _sr_bits(index, seed_lo, seed_hi):
-        """``formats.sr_random_bits`` for int64 flat indices; seed_lo/seed_hi hold the seed's halves."""
+    def _sr_word(pair, seed_lo, seed_hi):
+        """The 32-bit words of int64 pair indices ``pair`` (elements 2 pair and 2 pair + 1) in the stream
+        (seed_lo, seed_hi), as ``formats.sr_random_bits``."""
         k0 = seed_lo.to(tl.uint32, bitcast=True)
         k1 = seed_hi.to(tl.uint32, bitcast=True)
-        lo = index.to(tl.uint32)
-        hi = (index >> 32).to(tl.uint32)
+        lo = pair.to(tl.uint32)
+        hi = (pair >> 32).to(tl.uint32)
         return _hash32(_hash32(lo ^ k0) ^ (hi ^ k1))
 
     @_jit()
-    def _e2m1(v, index, seed_lo, seed_hi, SR: tl.constexpr):
-        """(4-bit code, signed E2M1 value) of v: stochastic with SR (the bits of the int64 flat indices
-        ``index`` in the stream (seed_lo, seed_hi)), else round to nearest even; ``index`` is read with SR only."""
+    def _sr_bits(index, seed_lo, seed_hi):
+        """``formats.sr_random_bits`` for int64 flat indices: the low (even index) or high (odd) 16 bits
+        of the pair's word. Kernels that hold both elements of a pair call ``_sr_word`` once for both."""
+        w = _sr_word(index >> 1, seed_lo, seed_hi)
+        return (w >> ((index & 1).to(tl.uint32) * 16)) & 0xFFFF
+
+    @_jit()
+    def _sr_bits8(start, seed_lo, seed_hi):
+        """``_sr_bits`` of the 8 elements from each flat index in ``start`` ([G] int64, even): [G, 8],
+        from 4 words per row (one hash per pair of elements)."""
+        w = _sr_word((start >> 1)[:, None] + tl.arange(0, 4)[None, :], seed_lo, seed_hi)
+        return tl.reshape(tl.join(w & 0xFFFF, w >> 16), (start.shape[0], 8))
+
+    @_jit()
+    def _e2m1(v, rand, SR: tl.constexpr):
+        """(4-bit code, signed E2M1 value) of v: stochastic with SR (``rand``: the elements' 16 random
+        bits, see ``_sr_bits``), else round to nearest even; ``rand`` is read with SR only."""
         if SR:
-            code, value = _e2m1_sr(v, _sr_bits(index, seed_lo, seed_hi))
+            code, value = _e2m1_sr(v, rand)
         else:
             code, value = _e2m1_rne(v)
         return code, value
@@ -375,14 +391,20 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @_jit()
-    def _half_block_word(xh, enc, keep, index, seed_lo, seed_hi, sf, bd_ptr, mask,
+    def _half_block_word(xh, enc, keep, start, seed_lo, seed_hi, sf, bd_ptr, mask,
                          SR: tl.constexpr, FAKE: tl.constexpr):
-        """Codes of [G, 8] half blocks (x * enc, 0 where the block is not ``keep``), one uint32 per half
-        block with element j in nibble j; with FAKE, stores value * sf as bf16 at ``index`` instead."""
+        """Codes of [G, 8] half blocks (x * enc, 0 where the block is not ``keep``) whose first elements have
+        the flat indices ``start`` ([G] int64), one uint32 per half block with element j in nibble j; with
+        FAKE, stores value * sf as bf16 at those indices instead."""
         v = xh * enc[:, None]
-        code, value = _e2m1(v, index, seed_lo, seed_hi, SR)
+        if SR:
+            rand = _sr_bits8(start, seed_lo, seed_hi)
+        else:
+            rand = 0
+        code, value = _e2m1(v, rand, SR)
         if FAKE:
-            tl.store(bd_ptr + index, (value * sf[:, None]).to(bd_ptr.dtype.element_ty), mask=mask[:, None])
+            bd = (value * sf[:, None]).to(bd_ptr.dtype.element_ty)
+            tl.store(bd_ptr + start[:, None] + tl.arange(0, 8)[None, :], bd, mask=mask[:, None])
         code = tl.where(keep[:, None], code, 0)
         return tl.sum(code << (tl.arange(0, 8) * 4)[None, :], axis=1)  # disjoint nibbles: the sum is an OR
 
@@ -409,8 +431,8 @@ if triton is not None:
         # NaN has no E2M1 code: blocks whose encode factor is NaN (the only ones where v can be NaN) get 0.
         keep = enc == enc
         flat = rows.to(tl.int64) * K + kb * 16  # flat index of each block's first element
-        w_lo = _half_block_word(lo, enc, keep, flat[:, None] + e8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
-        w_hi = _half_block_word(hi, enc, keep, (flat + 8)[:, None] + e8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
+        w_lo = _half_block_word(lo, enc, keep, flat, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
+        w_hi = _half_block_word(hi, enc, keep, flat + 8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
         if not FAKE:
             words = data_ptr.to(tl.pointer_type(tl.uint32))
             tl.store(words + flat // 8, w_lo, mask=ok)
@@ -443,9 +465,10 @@ if triton is not None:
         v = x4 * enc[:, None, :, None]
         if SR:
             index = tl.reshape(rows.to(tl.int64)[:, None] * K + cols[None, :], (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
+            rand = _sr_bits(index, seed_lo, seed_hi)
         else:
-            index = 0
-        code, value = _e2m1(v, index, seed_lo, seed_hi, SR)
+            rand = 0
+        code, value = _e2m1(v, rand, SR)
         if FAKE:
             bd = tl.reshape(value * sf[:, None, :, None], (BLOCK_M, BLOCK_K))
             tl.store(bd_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], bd.to(bd_ptr.dtype.element_ty), mask=mask)
@@ -511,7 +534,11 @@ if triton is not None:
     @_jit()
     def _mx_codes(v, index, seed_lo, seed_hi, SR: tl.constexpr):
         """4-bit codes (uint8) of the scaled values v; ``index`` (int64 flat indices) is read with SR only."""
-        code, _ = _e2m1(v, index, seed_lo, seed_hi, SR)
+        if SR:
+            rand = _sr_bits(index, seed_lo, seed_hi)
+        else:
+            rand = 0
+        code, _ = _e2m1(v, rand, SR)
         return tl.where(v == v, code, 0).to(tl.uint8)  # NaN: index 0, as the reference's comparisons give
 
     @_jit(do_not_specialize=("seed_lo", "seed_hi"))
@@ -677,13 +704,14 @@ if triton is not None:
         tl.atomic_max(amax_y_ptr, tl.max(tl.max(y_acc, axis=1), axis=0))
 
     @_jit()
-    def _rht_code(y, factor, keep, index, seed_lo, seed_hi, sf, SR: tl.constexpr, FAKE: tl.constexpr, MX: tl.constexpr):
+    def _rht_code(y, factor, keep, rand, sf, SR: tl.constexpr, FAKE: tl.constexpr, MX: tl.constexpr):
         """4-bit code (uint32) of v = y * factor, 0 where not ``keep`` (with MX: where v is NaN, as the
-        reference's comparisons give); with FAKE, its block-decoded value value(code) * sf instead."""
+        reference's comparisons give); with FAKE, its block-decoded value value(code) * sf instead.
+        ``rand``: the elements' random bits, read with SR only."""
         v = y * factor
         if MX:
             keep = v == v
-        code, value = _e2m1(v, index, seed_lo, seed_hi, SR)
+        code, value = _e2m1(v, rand, SR)
         if FAKE:
             out = value * sf
         else:
@@ -712,22 +740,34 @@ if triton is not None:
         """Codes of the 16 outputs of each chunk: two uint32 words at row ``col`` of the [K, M/2] output
         (or, with FAKE, the 16 block-decoded values, contiguous, at row ``col`` of the [K, M] one)."""
         base = cols.to(tl.int64)[None, :] * M + (chunks.to(tl.int64) * 16)[:, None]  # flat index of (col, 16 c)
-        c0 = _rht_code(y0, factor, keep, base + 0, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c1 = _rht_code(y1, factor, keep, base + 1, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c2 = _rht_code(y2, factor, keep, base + 2, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c3 = _rht_code(y3, factor, keep, base + 3, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c4 = _rht_code(y4, factor, keep, base + 4, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c5 = _rht_code(y5, factor, keep, base + 5, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c6 = _rht_code(y6, factor, keep, base + 6, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c7 = _rht_code(y7, factor, keep, base + 7, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c8 = _rht_code(y8, factor, keep, base + 8, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c9 = _rht_code(y9, factor, keep, base + 9, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c10 = _rht_code(y10, factor, keep, base + 10, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c11 = _rht_code(y11, factor, keep, base + 11, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c12 = _rht_code(y12, factor, keep, base + 12, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c13 = _rht_code(y13, factor, keep, base + 13, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c14 = _rht_code(y14, factor, keep, base + 14, seed_lo, seed_hi, sf, SR, FAKE, MX)
-        c15 = _rht_code(y15, factor, keep, base + 15, seed_lo, seed_hi, sf, SR, FAKE, MX)
+        if SR:
+            # Elements 16 c + 2 j and 16 c + 2 j + 1 of a chunk share one word (base is a multiple of 16).
+            w0 = _sr_word((base >> 1) + 0, seed_lo, seed_hi)
+            w1 = _sr_word((base >> 1) + 1, seed_lo, seed_hi)
+            w2 = _sr_word((base >> 1) + 2, seed_lo, seed_hi)
+            w3 = _sr_word((base >> 1) + 3, seed_lo, seed_hi)
+            w4 = _sr_word((base >> 1) + 4, seed_lo, seed_hi)
+            w5 = _sr_word((base >> 1) + 5, seed_lo, seed_hi)
+            w6 = _sr_word((base >> 1) + 6, seed_lo, seed_hi)
+            w7 = _sr_word((base >> 1) + 7, seed_lo, seed_hi)
+        else:
+            w0, w1, w2, w3, w4, w5, w6, w7 = 0, 0, 0, 0, 0, 0, 0, 0
+        c0 = _rht_code(y0, factor, keep, w0 & 0xFFFF, sf, SR, FAKE, MX)
+        c1 = _rht_code(y1, factor, keep, w0 >> 16, sf, SR, FAKE, MX)
+        c2 = _rht_code(y2, factor, keep, w1 & 0xFFFF, sf, SR, FAKE, MX)
+        c3 = _rht_code(y3, factor, keep, w1 >> 16, sf, SR, FAKE, MX)
+        c4 = _rht_code(y4, factor, keep, w2 & 0xFFFF, sf, SR, FAKE, MX)
+        c5 = _rht_code(y5, factor, keep, w2 >> 16, sf, SR, FAKE, MX)
+        c6 = _rht_code(y6, factor, keep, w3 & 0xFFFF, sf, SR, FAKE, MX)
+        c7 = _rht_code(y7, factor, keep, w3 >> 16, sf, SR, FAKE, MX)
+        c8 = _rht_code(y8, factor, keep, w4 & 0xFFFF, sf, SR, FAKE, MX)
+        c9 = _rht_code(y9, factor, keep, w4 >> 16, sf, SR, FAKE, MX)
+        c10 = _rht_code(y10, factor, keep, w5 & 0xFFFF, sf, SR, FAKE, MX)
+        c11 = _rht_code(y11, factor, keep, w5 >> 16, sf, SR, FAKE, MX)
+        c12 = _rht_code(y12, factor, keep, w6 & 0xFFFF, sf, SR, FAKE, MX)
+        c13 = _rht_code(y13, factor, keep, w6 >> 16, sf, SR, FAKE, MX)
+        c14 = _rht_code(y14, factor, keep, w7 & 0xFFFF, sf, SR, FAKE, MX)
+        c15 = _rht_code(y15, factor, keep, w7 >> 16, sf, SR, FAKE, MX)
         if FAKE:
             bd = _join16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
             tl.store(bd_ptr + base[:, :, None] + tl.arange(0, 16)[None, None, :], bd.to(bd_ptr.dtype.element_ty),

@@ -112,7 +112,7 @@ def _e2m1_index_sr(mag: torch.Tensor, rand_bits: torch.Tensor) -> torch.Tensor:
     """Stochastic rounding of ``mag`` (>= 0) onto the E2M1 grid, saturating at 6.
 
     With lo <= mag < hi the two grid neighbours, the result is hi with probability (mag - lo)/(hi - lo).
-    The draw is u = (bits >> 8) * 2**-24 from 32 random bits, and hi is taken when u < (mag - lo)/(hi - lo).
+    The draw is u = bits * 2**-16 from 16 random bits, and hi is taken when u < (mag - lo)/(hi - lo).
     Grid steps are powers of two and hi <= 2*lo, so the fraction is exact in float32.
     """
     values = _e2m1_table(mag.device)[:8]
@@ -125,7 +125,7 @@ def _e2m1_index_sr(mag: torch.Tensor, rand_bits: torch.Tensor) -> torch.Tensor:
     lo = values[lo_idx]
     step = values[hi_idx] - lo
     frac = torch.where(step > 0, (mag - lo) / torch.where(step > 0, step, 1.0), 0.0)
-    u = (rand_bits >> 8).to(torch.float32) * (2.0**-24)
+    u = rand_bits.to(torch.float32) * (2.0**-16)
     return torch.where(u < frac, hi_idx, lo_idx).to(torch.uint8)
 
 
@@ -209,24 +209,28 @@ def _hash32_uint32(x: np.ndarray) -> np.ndarray:
 
 
 def sr_random_bits(numel: int, seed: int, device=None) -> torch.Tensor:
-    """The 32 random bits (int64 holding uint32) stochastic rounding uses for elements 0..numel-1.
+    """The 16 random bits (int64 holding uint16) stochastic rounding uses for elements 0..numel-1.
 
-    bits[i] = h(h((i mod 2**32) xor k0) xor ((i >> 32) xor k1)), with k0, k1 the low and high 32 bits of
-    ``seed`` and h the lowbias32 mixer. Counter-based, so any kernel on any device can produce the same
-    bits for the same (seed, element index).
+    Elements 2p and 2p + 1 share the 32-bit word w[p] = h(h((p mod 2**32) xor k0) xor ((p >> 32) xor k1)),
+    with k0, k1 the low and high 32 bits of ``seed`` and h the lowbias32 mixer: element 2p takes its low
+    16 bits, element 2p + 1 its high 16 bits. Counter-based, so any kernel on any device can produce the
+    same bits for the same (seed, element index).
     """
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     k0, k1 = seed & _M32, (seed >> 32) & _M32
     device = torch.device(device) if device is not None else torch.get_default_device()
-    if device.type == "cpu" and numel <= 2**32:
+    pairs = (numel + 1) // 2
+    if device.type == "cpu" and pairs <= 2**32:
         # The same function in uint32 arithmetic: a few times faster than the int64 emulation below.
-        x = np.arange(numel, dtype=np.uint32)
+        x = np.arange(pairs, dtype=np.uint32)
         x ^= np.uint32(k0)
         x = _hash32_uint32(x)
-        x ^= np.uint32(k1)  # i >> 32 is 0 for every index here
-        return torch.from_numpy(_hash32_uint32(x).astype(np.int64))
-    idx = torch.arange(numel, dtype=torch.int64, device=device)
-    return _hash32(_hash32((idx & _M32) ^ k0) ^ ((idx >> 32) ^ k1))
+        x ^= np.uint32(k1)  # p >> 32 is 0 for every pair here
+        words = torch.from_numpy(_hash32_uint32(x).astype(np.int64))
+    else:
+        p = torch.arange(pairs, dtype=torch.int64, device=device)
+        words = _hash32(_hash32((p & _M32) ^ k0) ^ ((p >> 32) ^ k1))
+    return torch.stack([words & 0xFFFF, words >> 16], dim=-1).reshape(-1)[:numel]
 
 
 # ----------------------------------------------------------------------------------------------

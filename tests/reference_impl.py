@@ -101,16 +101,16 @@ def e2m1_neighbours(m: float) -> tuple[float, float]:
 
 
 def sr_draw_hi(m: float, bits: int) -> bool:
-    """Whether stochastic rounding of magnitude m takes the upper neighbour, for 32 random bits.
+    """Whether stochastic rounding of magnitude m takes the upper neighbour, for 16 random bits.
 
-    The documented draw: u = (bits >> 8) * 2**-24, and the upper neighbour is taken when
+    The documented draw: u = bits * 2**-16, and the upper neighbour is taken when
     u < (m - lo) / (hi - lo).
     """
     lo, hi = e2m1_neighbours(m)
     if hi == lo:
         return False
     frac = (Fraction(min(m, 6.0)) - Fraction(lo)) / (Fraction(hi) - Fraction(lo))
-    return Fraction(bits >> 8, 1 << 24) < frac
+    return Fraction(bits, 1 << 16) < frac
 
 
 def e2m1_code_sr(v: float, bits: int) -> int:
@@ -187,9 +187,12 @@ def lowbias32(x: int) -> int:
 
 
 def sr_bits(index: int, seed: int) -> int:
+    """The 16 random bits of element ``index``: the low (even index) or high (odd) half of its pair's word."""
     seed &= (1 << 64) - 1
     k0, k1 = seed & M32, seed >> 32
-    return lowbias32(lowbias32((index & M32) ^ k0) ^ ((index >> 32) ^ k1))
+    pair = index >> 1
+    word = lowbias32(lowbias32((pair & M32) ^ k0) ^ ((pair >> 32) ^ k1))
+    return (word >> (16 * (index & 1))) & 0xFFFF
 
 
 # ----------------------------------------------------------------------------------------------

@@ -684,8 +684,8 @@ def test_sr_random_bits_match_the_documented_hash(seed):
     n = 70000
     bits = formats.sr_random_bits(n, seed)
     assert bits.dtype == torch.int64 and bits.shape == (n,)
-    assert int(bits.min()) >= 0 and int(bits.max()) < 2**32
-    for i in (0, 1, 2, 3, 255, 65535, 65536, 69999):
+    assert int(bits.min()) >= 0 and int(bits.max()) < 2**16
+    for i in (0, 1, 2, 3, 255, 65535, 65536, 69998, 69999):
         assert int(bits[i]) == ref.sr_bits(i, seed), (i, seed)
 
 
@@ -693,28 +693,31 @@ def test_sr_random_bits_match_the_documented_hash(seed):
 def test_sr_random_bits_cpu_path_equals_the_tensor_path(seed):
     # On CPU the bits are computed in numpy uint32; on other devices in int64 tensor arithmetic
     # (the path taken here through the meta-free int64 formula, on CPU tensors).
-    n = 5000
-    idx = torch.arange(n, dtype=torch.int64)
+    n = 5001  # odd: the last pair's high half is dropped
+    pair = torch.arange((n + 1) // 2, dtype=torch.int64)
     k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
-    want = formats._hash32(formats._hash32((idx & 0xFFFFFFFF) ^ k0) ^ ((idx >> 32) ^ k1))
+    words = formats._hash32(formats._hash32((pair & 0xFFFFFFFF) ^ k0) ^ ((pair >> 32) ^ k1))
+    want = torch.stack([words & 0xFFFF, words >> 16], dim=-1).reshape(-1)[:n]
     assert torch.equal(formats.sr_random_bits(n, seed), want)
     assert torch.equal(formats.sr_random_bits(n, seed, device="cpu"), want)
 
 
 def test_sr_random_bits_known_values():
-    # lowbias32(0) == 0, so element 0 of seed 0 draws 0.
-    bits = formats.sr_random_bits(4, 0).tolist()
-    assert bits == [ref.sr_bits(i, 0) for i in range(4)]
-    assert bits[0] == 0 and len(set(bits)) == 4
+    # lowbias32(0) == 0, so the word of pair 0 of seed 0 is 0: elements 0 and 1 draw 0.
+    bits = formats.sr_random_bits(6, 0).tolist()
+    assert bits == [ref.sr_bits(i, 0) for i in range(6)]
+    assert bits[:2] == [0, 0] and len(set(bits[2:])) == 4
 
 
 def test_sr_random_bits_look_uniform():
     bits = formats.sr_random_bits(1 << 16, 123)
-    u = (bits >> 8).double() * 2.0**-24
+    u = bits.double() * 2.0**-16
     n = u.numel()
-    # mean of U(0,1) has sd sqrt(1/12/n); each bit is a fair coin.
+    # mean of U(0,1) has sd sqrt(1/12/n); each bit is a fair coin; the two halves of a word are uncorrelated.
     assert abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / n)
-    for b in range(32):
+    even, odd = u[0::2] - 0.5, u[1::2] - 0.5
+    assert abs((even * odd).mean().item()) < 5 * (1 / 12) / math.sqrt(n / 2)
+    for b in range(16):
         ones = ((bits >> b) & 1).sum().item()
         assert abs(ones - n / 2) < 5 * math.sqrt(n / 4), b
 
@@ -747,7 +750,7 @@ def test_sr_mxfp4_codes_are_grid_neighbours(x, seed):
 @FEW
 @given(scaled_tensors(), st.integers(0, 2**64 - 1))
 def test_sr_bits_exact_against_reference(x, seed):
-    """SR draws u = (bits >> 8) * 2**-24 from sr_random_bits(element index, seed), hi iff u < frac."""
+    """SR draws u = bits * 2**-16 from sr_random_bits(element index, seed), hi iff u < frac."""
     check_nvfp4(x, "1x16", rounding="sr", seed=seed)
     check_mxfp4(torch.cat([x, x], -1), rounding="sr", seed=seed)
 
