@@ -47,8 +47,13 @@ FUSIBLE_MULTI = {
     aten.native_layer_norm.default, aten.native_layer_norm_backward.default, aten.var_mean.correction,
     aten.native_group_norm.default, aten.native_batch_norm.default,
 }
-# Single-output ops Inductor hands to a library (cuBLAS, cuDNN, flash attention): no fusion there.
-EXTERN_WORDS = ("mm", "conv", "attention", "_scaled", "cudnn", "cufft", "fft", "sort", "scatter", "index_put")
+# Single-output ops Inductor hands to a library (cuBLAS, cuDNN, flash attention) or to a kernel of their
+# own: no fusion there. Matched against the words of the op's name (split at "_"), not substrings:
+# "convert_element_type", the cast Inductor fuses into its producer, is not a convolution.
+EXTERN_WORDS = frozenset({
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "matmul", "conv", "conv1d", "conv2d", "conv3d", "convolution",
+    "attention", "scaled", "cudnn", "cufft", "fft", "sort", "argsort", "topk", "scatter", "put",
+})
 
 
 def applies(node: fx.Node) -> bool:
@@ -75,7 +80,8 @@ def producer_is_fusible(x: fx.Node) -> bool:
     if namespace not in ("aten", "prims"):
         return False  # fp4 ops and other custom ops are opaque kernels
     name = node.target.name() if hasattr(node.target, "name") else str(node.target)
-    return not any(word in name for word in EXTERN_WORDS)
+    words = set(name.split("::")[-1].split(".")[0].split("_"))
+    return not words & EXTERN_WORDS
 
 
 def _is_2d_transpose_of(node: fx.Node, base: fx.Node) -> bool:

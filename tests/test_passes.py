@@ -437,10 +437,15 @@ def test_fuse_amax_producer_rule():
     q = g.call_function(F4.quantize.default, (x, "nvfp4", "1x16", "rne", 0, ""))
     codes = g.call_function(operator.getitem, (q, 0))
     view = lambda n: g.call_function(torch.ops.aten.view.default, (g.call_function(torch.ops.aten.t.default, (n,)), [-1]))
+    # Under autocast the operand is a cast of the producer's output (a LayerNorm's float32 to bf16): a
+    # pointwise op Inductor fuses, not a convolution for all that its name starts with "conv".
+    cast = g.call_function(torch.ops.prims.convert_element_type.default, (ln_out, torch.bfloat16))
+    conv = g.call_function(torch.ops.aten.convolution.default, (x, w, None, [1], [0], [1], False, [0], 1))
+    scaled = g.call_function(torch.ops.aten._scaled_mm.default, (x, w, x, w))
     fusible = amax_module.producer_is_fusible
-    assert fusible(relu) and fusible(view(relu)) and fusible(ln_out)
+    assert fusible(relu) and fusible(view(relu)) and fusible(ln_out) and fusible(cast) and fusible(view(cast))
     assert not fusible(x) and not fusible(view(x)) and not fusible(mm) and not fusible(view(mm))
-    assert not fusible(attn) and not fusible(codes)
+    assert not fusible(attn) and not fusible(codes) and not fusible(conv) and not fusible(scaled)
 
 
 def test_quantize_ops_take_a_given_amax_for_nvfp4_only():
