@@ -437,13 +437,21 @@ def test_fuse_amax_producer_rule():
     q = g.call_function(F4.quantize.default, (x, "nvfp4", "1x16", "rne", 0, ""))
     codes = g.call_function(operator.getitem, (q, 0))
     view = lambda n: g.call_function(torch.ops.aten.view.default, (g.call_function(torch.ops.aten.t.default, (n,)), [-1]))
-    # Under autocast the operand is a cast of the producer's output (a LayerNorm's float32 to bf16): a
-    # pointwise op Inductor fuses, not a convolution for all that its name starts with "conv".
+    # A cast is a pointwise op Inductor fuses, not a convolution for all that its name starts with "conv";
+    # but a narrowing one (a LayerNorm's float32 output to bf16 under autocast) stops the fusion: a fused
+    # reduction would see the values before their rounding to bf16.
+    ln_out.meta["val"] = torch.empty(2, 32)
     cast = g.call_function(torch.ops.prims.convert_element_type.default, (ln_out, torch.bfloat16))
+    cast.meta["val"] = torch.empty(2, 32, dtype=torch.bfloat16)
+    wide = g.call_function(torch.ops.prims.convert_element_type.default, (cast, torch.float32))
+    wide.meta["val"] = torch.empty(2, 32)
+    copy = g.call_function(torch.ops.aten._to_copy.default, (ln_out,), {"dtype": torch.float16})
+    copy.meta["val"] = torch.empty(2, 32, dtype=torch.float16)
     conv = g.call_function(torch.ops.aten.convolution.default, (x, w, None, [1], [0], [1], False, [0], 1))
     scaled = g.call_function(torch.ops.aten._scaled_mm.default, (x, w, x, w))
     fusible = amax_module.producer_is_fusible
-    assert fusible(relu) and fusible(view(relu)) and fusible(ln_out) and fusible(cast) and fusible(view(cast))
+    assert fusible(relu) and fusible(view(relu)) and fusible(ln_out) and fusible(wide) and fusible(view(wide))
+    assert not fusible(cast) and not fusible(view(cast)) and not fusible(copy)
     assert not fusible(x) and not fusible(view(x)) and not fusible(mm) and not fusible(view(mm))
     assert not fusible(attn) and not fusible(codes) and not fusible(conv) and not fusible(scaled)
 
