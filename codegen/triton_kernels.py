@@ -532,12 +532,8 @@ if triton is not None:
         return scale_code, ((127 - exp) << 23).to(tl.float32, bitcast=True)
 
     @_jit()
-    def _mx_codes(v, index, seed_lo, seed_hi, SR: tl.constexpr):
-        """4-bit codes (uint8) of the scaled values v; ``index`` (int64 flat indices) is read with SR only."""
-        if SR:
-            rand = _sr_bits(index, seed_lo, seed_hi)
-        else:
-            rand = 0
+    def _mx_codes(v, rand, SR: tl.constexpr):
+        """4-bit codes (uint8) of the scaled values v; ``rand`` (their random bits) is read with SR only."""
         code, _ = _e2m1(v, rand, SR)
         return tl.where(v == v, code, 0).to(tl.uint8)  # NaN: index 0, as the reference's comparisons give
 
@@ -562,10 +558,14 @@ if triton is not None:
         scale_code, inv_scale = _mx_scale(bits)
         v = x3 * inv_scale[:, :, None]
         if SR:
-            index = tl.reshape(rows.to(tl.int64)[:, None] * K + cols[None, :], (BLOCK_M, NB, 32))
+            # One word per pair of elements: pair index (row K + col) / 2, with K and col even.
+            pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            w = _sr_word(tl.reshape(rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], (BLOCK_M, NB, 16)),
+                         seed_lo, seed_hi)
+            rand = tl.reshape(tl.join(w & 0xFFFF, w >> 16), (BLOCK_M, NB, 32))
         else:
-            index = 0
-        code = _mx_codes(v, index, seed_lo, seed_hi, SR)
+            rand = 0
+        code = _mx_codes(v, rand, SR)
         lo, hi = tl.split(tl.reshape(code, (BLOCK_M, BLOCK_K // 2, 2)))
         pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         pmask = row_ok[:, None] & (pcols < K // 2)[None, :]
