@@ -434,9 +434,10 @@ if triton is not None:
         w_lo = _half_block_word(lo, enc, keep, flat, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
         w_hi = _half_block_word(hi, enc, keep, flat + 8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
         if not FAKE:
-            words = data_ptr.to(tl.pointer_type(tl.uint32))
-            tl.store(words + flat // 8, w_lo, mask=ok)
-            tl.store(words + flat // 8 + 1, w_hi, mask=ok)
+            # A block's 16 codes as one 8-byte store (little-endian: the first half block's word first), so a
+            # warp's stores cover whole sectors in one instruction.
+            blocks = data_ptr.to(tl.pointer_type(tl.uint64))
+            tl.store(blocks + flat // 16, (w_hi.to(tl.uint64) << 32) | w_lo.to(tl.uint64), mask=ok)
             _store_scales(scales_ptr, sf_code, rows, kb, K // 16, ok, SWIZZLE)
         return tl.max(bits, axis=0)
 
@@ -734,10 +735,10 @@ if triton is not None:
         return lo | (c4 << 16) | (c5 << 20) | (c6 << 24) | (c7 << 28)
 
     @_jit()
-    def _rht_store_codes(data_ptr, words_per_row, chunks, cols, mask, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9,
+    def _rht_store_codes(data_ptr, blocks_per_row, chunks, cols, mask, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9,
                          y10, y11, y12, y13, y14, y15, factor, keep, seed_lo, seed_hi, sf, bd_ptr, M,
                          SR: tl.constexpr, FAKE: tl.constexpr, MX: tl.constexpr):
-        """Codes of the 16 outputs of each chunk: two uint32 words at row ``col`` of the [K, M/2] output
+        """Codes of the 16 outputs of each chunk: one 8-byte store at row ``col`` of the [K, M/2] output
         (or, with FAKE, the 16 block-decoded values, contiguous, at row ``col`` of the [K, M] one)."""
         base = cols.to(tl.int64)[None, :] * M + (chunks.to(tl.int64) * 16)[:, None]  # flat index of (col, 16 c)
         if SR:
@@ -773,10 +774,11 @@ if triton is not None:
             tl.store(bd_ptr + base[:, :, None] + tl.arange(0, 16)[None, None, :], bd.to(bd_ptr.dtype.element_ty),
                      mask=mask[:, :, None])
         else:
-            words = data_ptr.to(tl.pointer_type(tl.uint32))
-            w = cols.to(tl.int64)[None, :] * words_per_row + (chunks * 2)[:, None]
-            tl.store(words + w, _pack8(c0, c1, c2, c3, c4, c5, c6, c7), mask=mask)
-            tl.store(words + w + 1, _pack8(c8, c9, c10, c11, c12, c13, c14, c15), mask=mask)
+            # The chunk's 16 codes as one 8-byte store (little-endian: codes 0-7 in the first word).
+            blocks = data_ptr.to(tl.pointer_type(tl.uint64))
+            b = cols.to(tl.int64)[None, :] * blocks_per_row + chunks[:, None]
+            first = _pack8(c0, c1, c2, c3, c4, c5, c6, c7).to(tl.uint64)
+            tl.store(blocks + b, (_pack8(c8, c9, c10, c11, c12, c13, c14, c15).to(tl.uint64) << 32) | first, mask=mask)
 
     @_jit()
     def _rht_quantize_tile(
@@ -793,7 +795,7 @@ if triton is not None:
         mask = (chunks < M // 16)[:, None] & (cols < K)[None, :]
         # NaN has no E2M1 code: blocks whose encode factor is NaN (the only ones where v can be NaN) get 0.
         _rht_store_codes(
-            data_ptr, M // 8, chunks, cols, mask, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14,
+            data_ptr, M // 16, chunks, cols, mask, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14,
             y15, enc, enc == enc, seed_lo, seed_hi, sf, bd_ptr, M, SR, FAKE, False,
         )
         if not FAKE:
@@ -849,7 +851,7 @@ if triton is not None:
         factor = tl.reshape(tl.broadcast_to(inv_scale[:, None, :], (BLOCK_M // 32, 2, BLOCK_K)), (BLOCK_M // 16, BLOCK_K))
         mask = (chunks < M // 16)[:, None] & (cols < K)[None, :]
         _rht_store_codes(
-            data_ptr, M // 8, chunks, cols, mask, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14,
+            data_ptr, M // 16, chunks, cols, mask, y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14,
             y15, factor, True, seed_lo, seed_hi, factor, data_ptr, M, SR, False, True,
         )
         blocks = pid_m * (BLOCK_M // 32) + tl.arange(0, BLOCK_M // 32)
