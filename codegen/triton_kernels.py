@@ -17,6 +17,7 @@ over the tensor per kernel.
 | ``quantize_wgrad_operand_mxfp4(x, ..)`` | the same for RHT(x^T): [K, tokens/2] .. | ``quantize(rht(x.t()), "mxfp4", ..)`` |
 | ``fake_quantize_*`` | (value(code) * block scale in bf16, amax) | ``block_decode(quantize(..))`` |
 | ``dequantize`` / ``block_decode`` | decoded tensor from codes and scales | ``formats.dequantize`` / ``block_decode`` |
+| ``transpose_tiles(data, scales)`` | codes and scales of W^T from a 16x16-tile quantized W | ``QTensor.transpose()`` |
 | ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alpha | ``ops.scaled_mm_reference`` |
 
 The fake-quant outputs are exact in bf16 (an E2M1 value times an E4M3 scale has at most 6 significant
@@ -80,6 +81,7 @@ __all__ = [
     "fake_quantize_wgrad_operand",
     "dequantize",
     "block_decode",
+    "transpose_tiles",
     "emulated_scaled_mm",
     "gemm_alpha",
     "quantize_provider",
@@ -103,6 +105,7 @@ CONFIGS = {
     "rht_amax": dict(BLOCK_M=128, BLOCK_K=64, ITERS=4, num_warps=4),
     "rht_quantize": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
     "decode": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
+    "transpose_tiles": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
     "quantize_mx": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
     "rht_quantize_mx": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
     "epilogue": dict(BLOCK=4096, num_warps=8),
@@ -898,6 +901,30 @@ if triton is not None:
         )
 
     @_jit()
+    def _transpose_tiles_kernel(data_ptr, scales_ptr, out_data_ptr, out_scales_ptr, N, K,
+                                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Codes [K, N/2] and scales [K, N/16] of W^T from those of a 16x16-tile quantized W [N, K]: each
+        [BLOCK_M, BLOCK_K] tile of codes unpacked, transposed and packed again; the tile scales (the
+        first row of each 16-row tile) transposed and repeated on the 16 rows of the output tile."""
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(data_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :],
+                         mask=(rows < N)[:, None] & (pcols < K // 2)[None, :], other=0)
+        codes = tl.trans(tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_M, BLOCK_K)))  # [BLOCK_K, BLOCK_M]
+        even, odd = tl.split(tl.reshape(codes, (BLOCK_K, BLOCK_M // 2, 2)))
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)  # output rows
+        prows = pid_m * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)
+        tl.store(out_data_ptr + cols.to(tl.int64)[:, None] * (N // 2) + prows[None, :], even | (odd << 4),
+                 mask=(cols < K)[:, None] & (prows < N // 2)[None, :])
+        # Scales: out[k, t] = in[16 t, k // 16].
+        tiles = pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
+        tile_ok = (tiles < N // 16)[None, :] & (cols < K)[:, None]
+        sf = tl.load(scales_ptr + (tiles.to(tl.int64) * 16)[None, :] * (K // 16) + (cols // 16)[:, None], mask=tile_ok, other=0)
+        tl.store(out_scales_ptr + cols.to(tl.int64)[:, None] * (N // 16) + tiles[None, :], sf, mask=tile_ok)
+
+    @_jit()
     def _alpha_kernel(amax_a_ptr, amax_b_ptr, alpha_ptr, N, BLOCK: tl.constexpr):
         """alpha_ptr[0:N] = (amax_a * fp32(1/2688)) * (amax_b * fp32(1/2688)): ``formats.gemm_alpha``."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -1267,6 +1294,24 @@ def dequantize(
 def block_decode(data: torch.Tensor, scales: torch.Tensor, swizzled: bool = False) -> torch.Tensor:
     """value(code) * sf in bf16 (exact): ``formats.block_decode``, the operand an emulated GEMM reads."""
     return _decode(data, scales, None, torch.bfloat16, swizzled, apply_amax=False)
+
+
+def transpose_tiles(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [K, N/2], scales [K, N/16]) of W^T from the codes [N, K/2] and the E4M3 scale bytes [N, K/16]
+    of a 16x16-tile quantized W [N, K] (N, K multiples of 16): ``formats.QTensor.transpose`` in one pass
+    over the packed weight (a permutation of codes and scales: no arithmetic)."""
+    _require_triton()
+    n, k = data.shape[0], data.shape[1] * 2
+    data = data.view(torch.uint8).contiguous()
+    scales = scales.view(torch.uint8).contiguous()
+    out_data = torch.empty((k, n // 2), dtype=torch.uint8, device=data.device)
+    out_scales = torch.empty((k, n // 16), dtype=torch.uint8, device=data.device)
+    cfg = CONFIGS["transpose_tiles"]
+    grid = (triton.cdiv(n, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    _transpose_tiles_kernel[grid](
+        data, scales, out_data, out_scales, n, k, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
+    )
+    return out_data, out_scales
 
 
 def gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor, count: int = 1) -> torch.Tensor:

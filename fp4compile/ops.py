@@ -284,6 +284,11 @@ def transpose_quantized(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch
             f"fp4.transpose_quantized takes a 16x16-tile quantized [N, K] weight (N, K multiples of 16): "
             f"got codes {tuple(data.shape)} and scales {tuple(scales.shape)}"
         )
+    if data.is_cuda:
+        from fp4compile.codegen import triton_kernels
+
+        if triton_kernels.available()[0]:
+            return triton_kernels.transpose_tiles(data, scales)  # one Triton pass
     t = _qtensor(data, scales, None, "nvfp4", "16x16", (n, k)).transpose()  # formats.QTensor.transpose
     return t.data.view(torch.uint8), t.scales.view(torch.uint8)
 
