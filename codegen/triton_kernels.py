@@ -3,7 +3,7 @@
 Every kernel produces exactly the bits of ``fp4compile.formats`` (the CPU reference): the same packed
 E2M1 codes, E4M3 (or E8M0) block scales and global amax, including stochastic rounding (the
 counter-based bits of ``formats.sr_random_bits`` are regenerated from (seed, flat index), one hash per
-pair of elements) and the NaN/Inf/zero cases of the global scale. What they add is speed: one pass
+pair of elements where a thread holds both) and the NaN/Inf/zero cases of the global scale. What they add is speed: one pass
 over the tensor per kernel.
 
 | function | what it returns | equals |

@@ -12,9 +12,10 @@ pass over the operand instead of two (an amax pass, then the quantizing pass):
   norm, an activation function, a residual sum: anything but a graph input, a GEMM, attention or an
   ``fp4`` op) gets ``amax(abs(x))`` in the graph: a reduction whose first stage Inductor computes in
   the producer's kernel, so x is not read again for it. (A row max, then a max over the rows, also
-  fuses, but measured slower: three kernels instead of two.) Not where x is a narrowing cast of the
-  producer's output (bf16 under autocast): Inductor computes a fused reduction from the unrounded
-  values, so that amax could differ from x's (on the H200 the step's bits changed).
+  fuses, but measured slower: three kernels instead of two.) Only float32 operands: Inductor computes a
+  bf16 or fp16 tensor in float32 inside the fused kernel, unrounded, so that amax could differ from the
+  stored tensor's (under autocast, with the bf16 cast of a LayerNorm output, the step's bits changed on
+  the H200); under autocast the X operands are bf16 and keep their own pass.
 
 The amax is exact (a maximum, no rounding), so codes, scales and amax keep their bits. Quantizers with
 an amax already, sharded-amax operands (``fp4.quantize_sharded``), MXFP4 (no global scale) and 16x16
@@ -71,36 +72,22 @@ def _behind_views(node: fx.Node) -> fx.Node:
     return node
 
 
-# Casts: a narrowing one between the producer and the quantizer stops the fusion (see below).
-CASTS = {torch.ops.prims.convert_element_type.default, aten._to_copy.default}
-
-
 def _dtype(node) -> torch.dtype | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
-def _narrowing_cast(node: fx.Node) -> bool:
-    """A cast to a floating dtype narrower than its input's (an autocast bf16 cast of a LayerNorm's float32
-    output, the bf16 rounding at the end of a decomposed GELU). Inductor does not round a fused kernel's
-    intermediates to their dtype, so a reduction fused there would see the values before that rounding,
-    and its amax could differ from that of the tensor the quantizer reads: not the bits of the own pass."""
-    if node.target not in CASTS:
-        return False
-    src, dst = _dtype(node.args[0]), _dtype(node)
-    if src is None or dst is None:
-        return True  # unknown dtypes: keep the own pass
-    return src.is_floating_point and dst.is_floating_point and dst.itemsize < src.itemsize
-
-
 def producer_is_fusible(x: fx.Node) -> bool:
     """Whether Inductor computes ``x`` (through views) in a kernel of its own that can take a reduction
-    giving exactly the amax of ``x`` as stored."""
+    giving exactly the amax of ``x`` as stored: ``x`` must be float32. Inductor computes bf16 and fp16
+    values in float32 inside a kernel and does not round them to their dtype there (a cast, a product, a
+    sum), so a reduction fused into the producer of a bf16 ``x`` would see the values before their
+    rounding, and its amax could differ from that of the tensor the quantizer reads."""
+    if _dtype(x) != torch.float32:
+        return False
     node = _behind_views(x)
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return False  # a graph input or a constant: a separate read either way
-    if _narrowing_cast(node):
-        return False
     if node.target is operator.getitem:
         return node.args[0].op == "call_function" and node.args[0].target in FUSIBLE_MULTI
     namespace = getattr(node.target, "namespace", "")

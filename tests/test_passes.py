@@ -423,35 +423,45 @@ def test_fuse_amax_needs_cuda(marked):
 
 
 def test_fuse_amax_producer_rule():
-    """Only producers Inductor compiles into its own kernels take the amax nodes; graph inputs, GEMMs,
-    attention and fp4 ops do not (their operands keep the quantizer's amax pass)."""
+    """Only float32 tensors whose producers Inductor compiles into its own kernels take the amax nodes;
+    graph inputs, GEMMs, attention, fp4 ops and bf16 / fp16 tensors do not (they keep the quantizer's
+    amax pass)."""
     g = fx.Graph()
-    x = g.placeholder("x")
-    w = g.placeholder("w")
-    relu = g.call_function(torch.ops.aten.relu.default, (x,))
-    mm = g.call_function(torch.ops.aten.mm.default, (x, w))
-    ln = g.call_function(torch.ops.aten.native_layer_norm.default, (x, [32], None, None, 1e-5))
+    aten, prims = torch.ops.aten, torch.ops.prims
+
+    def node(target, args, dtype=torch.float32, kwargs=None):
+        n = g.call_function(target, args, kwargs or {})
+        n.meta["val"] = torch.empty(2, 32, dtype=dtype)
+        return n
+
+    def view(n):
+        t = node(aten.t.default, (n,), n.meta["val"].dtype)
+        return node(aten.view.default, (t, [-1]), n.meta["val"].dtype)
+
+    x, w = g.placeholder("x"), g.placeholder("w")
+    x.meta["val"] = w.meta["val"] = torch.empty(2, 32)
+    relu = node(aten.relu.default, (x,))
+    mm = node(aten.mm.default, (x, w))
+    ln = g.call_function(aten.native_layer_norm.default, (x, [32], None, None, 1e-5))
     ln_out = g.call_function(operator.getitem, (ln, 0))
-    sdpa = g.call_function(torch.ops.aten._scaled_dot_product_flash_attention.default, (x, x, x))
+    ln_out.meta["val"] = torch.empty(2, 32)
+    sdpa = g.call_function(aten._scaled_dot_product_flash_attention.default, (x, x, x))
     attn = g.call_function(operator.getitem, (sdpa, 0))
+    attn.meta["val"] = torch.empty(2, 32)
     q = g.call_function(F4.quantize.default, (x, "nvfp4", "1x16", "rne", 0, ""))
     codes = g.call_function(operator.getitem, (q, 0))
-    view = lambda n: g.call_function(torch.ops.aten.view.default, (g.call_function(torch.ops.aten.t.default, (n,)), [-1]))
-    # A cast is a pointwise op Inductor fuses, not a convolution for all that its name starts with "conv";
-    # but a narrowing one (a LayerNorm's float32 output to bf16 under autocast) stops the fusion: a fused
-    # reduction would see the values before their rounding to bf16.
-    ln_out.meta["val"] = torch.empty(2, 32)
-    cast = g.call_function(torch.ops.prims.convert_element_type.default, (ln_out, torch.bfloat16))
-    cast.meta["val"] = torch.empty(2, 32, dtype=torch.bfloat16)
-    wide = g.call_function(torch.ops.prims.convert_element_type.default, (cast, torch.float32))
-    wide.meta["val"] = torch.empty(2, 32)
-    copy = g.call_function(torch.ops.aten._to_copy.default, (ln_out,), {"dtype": torch.float16})
-    copy.meta["val"] = torch.empty(2, 32, dtype=torch.float16)
-    conv = g.call_function(torch.ops.aten.convolution.default, (x, w, None, [1], [0], [1], False, [0], 1))
-    scaled = g.call_function(torch.ops.aten._scaled_mm.default, (x, w, x, w))
+    # A cast is a pointwise op Inductor fuses, not a convolution for all that its name starts with "conv".
+    # But bf16 / fp16 results stop the fusion, a cast's or any other op's (a residual sum): inside the fused
+    # kernel Inductor holds them in float32, unrounded, and the amax could differ from the stored tensor's.
+    cast = node(prims.convert_element_type.default, (ln_out, torch.bfloat16), torch.bfloat16)
+    wide = node(prims.convert_element_type.default, (cast, torch.float32))
+    copy = node(aten._to_copy.default, (ln_out,), torch.float16, {"dtype": torch.float16})
+    bf16_sum = node(aten.add.Tensor, (cast, cast), torch.bfloat16)
+    conv = node(aten.convolution.default, (x, w, None, [1], [0], [1], False, [0], 1))
+    scaled = node(aten._scaled_mm.default, (x, w, x, w))
     fusible = amax_module.producer_is_fusible
     assert fusible(relu) and fusible(view(relu)) and fusible(ln_out) and fusible(wide) and fusible(view(wide))
-    assert not fusible(cast) and not fusible(view(cast)) and not fusible(copy)
+    assert not fusible(cast) and not fusible(view(cast)) and not fusible(copy) and not fusible(bf16_sum)
     assert not fusible(x) and not fusible(view(x)) and not fusible(mm) and not fusible(view(mm))
     assert not fusible(attn) and not fusible(codes) and not fusible(conv) and not fusible(scaled)
 
