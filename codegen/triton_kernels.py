@@ -3,7 +3,7 @@
 Every kernel produces exactly the bits of ``fp4compile.formats`` (the CPU reference): the same packed
 E2M1 codes, E4M3 (or E8M0) block scales and global amax, including stochastic rounding (the
 counter-based bits of ``formats.sr_random_bits`` are regenerated from (seed, flat index), one hash per
-pair of elements where a thread holds both) and the NaN/Inf/zero cases of the global scale. What they add is speed: one pass
+pair of elements) and the NaN/Inf/zero cases of the global scale. What they add is speed: one pass
 over the tensor per kernel.
 
 | function | what it returns | equals |
@@ -299,7 +299,8 @@ if triton is not None:
     @_jit()
     def _sr_word(pair, seed_lo, seed_hi):
         """The 32-bit words of int64 pair indices ``pair`` (elements 2 pair and 2 pair + 1) in the stream
-        (seed_lo, seed_hi), as ``formats.sr_random_bits``."""
+        (seed_lo, seed_hi), as ``formats.sr_random_bits``: element 2 pair draws the low 16 bits, element
+        2 pair + 1 the high 16 bits. Every kernel holds both elements of a pair and hashes once for both."""
         k0 = seed_lo.to(tl.uint32, bitcast=True)
         k1 = seed_hi.to(tl.uint32, bitcast=True)
         lo = pair.to(tl.uint32)
@@ -307,23 +308,24 @@ if triton is not None:
         return _hash32(_hash32(lo ^ k0) ^ (hi ^ k1))
 
     @_jit()
-    def _sr_bits(index, seed_lo, seed_hi):
-        """``formats.sr_random_bits`` for int64 flat indices: the low (even index) or high (odd) 16 bits
-        of the pair's word. Kernels that hold both elements of a pair call ``_sr_word`` once for both."""
-        w = _sr_word(index >> 1, seed_lo, seed_hi)
-        return (w >> ((index & 1).to(tl.uint32) * 16)) & 0xFFFF
-
-    @_jit()
     def _sr_bits8(start, seed_lo, seed_hi):
-        """``_sr_bits`` of the 8 elements from each flat index in ``start`` ([G] int64, even): [G, 8],
+        """The random bits of the 8 elements from each flat index in ``start`` ([G] int64, even): [G, 8],
         from 4 words per row (one hash per pair of elements)."""
         w = _sr_word((start >> 1)[:, None] + tl.arange(0, 4)[None, :], seed_lo, seed_hi)
         return tl.reshape(tl.join(w & 0xFFFF, w >> 16), (start.shape[0], 8))
 
     @_jit()
+    def _sr_bits_rows(rows, pid_k, K, BLOCK_K: tl.constexpr, seed_lo, seed_hi):
+        """The random bits of the [rows, BLOCK_K] tile at column block pid_k of a row-major [.., K] tensor (K
+        even), one word per pair of elements: pair index (row K + col) / 2."""
+        pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        w = _sr_word(rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], seed_lo, seed_hi)
+        return tl.reshape(tl.join(w & 0xFFFF, w >> 16), (rows.shape[0], BLOCK_K))
+
+    @_jit()
     def _e2m1(v, rand, SR: tl.constexpr):
         """(4-bit code, signed E2M1 value) of v: stochastic with SR (``rand``: the elements' 16 random
-        bits, see ``_sr_bits``), else round to nearest even; ``rand`` is read with SR only."""
+        bits, see ``_sr_word``), else round to nearest even; ``rand`` is read with SR only."""
         if SR:
             code, value = _e2m1_sr(v, rand)
         else:
@@ -468,8 +470,7 @@ if triton is not None:
         sf_code, sf, enc = _block_scale(bamax, s_enc, s_dec)
         v = x4 * enc[:, None, :, None]
         if SR:
-            index = tl.reshape(rows.to(tl.int64)[:, None] * K + cols[None, :], (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
-            rand = _sr_bits(index, seed_lo, seed_hi)
+            rand = tl.reshape(_sr_bits_rows(rows, pid_k, K, BLOCK_K, seed_lo, seed_hi), (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
         else:
             rand = 0
         code, value = _e2m1(v, rand, SR)
@@ -562,11 +563,7 @@ if triton is not None:
         scale_code, inv_scale = _mx_scale(bits)
         v = x3 * inv_scale[:, :, None]
         if SR:
-            # One word per pair of elements: pair index (row K + col) / 2, with K and col even.
-            pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-            w = _sr_word(tl.reshape(rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], (BLOCK_M, NB, 16)),
-                         seed_lo, seed_hi)
-            rand = tl.reshape(tl.join(w & 0xFFFF, w >> 16), (BLOCK_M, NB, 32))
+            rand = tl.reshape(_sr_bits_rows(rows, pid_k, K, BLOCK_K, seed_lo, seed_hi), (BLOCK_M, NB, 32))
         else:
             rand = 0
         code = _mx_codes(v, rand, SR)
