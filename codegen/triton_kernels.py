@@ -308,19 +308,18 @@ if triton is not None:
         return _hash32(_hash32(lo ^ k0) ^ (hi ^ k1))
 
     @_jit()
-    def _sr_bits8(start, seed_lo, seed_hi):
-        """The random bits of the 8 elements from each flat index in ``start`` ([G] int64, even): [G, 8],
-        from 4 words per row (one hash per pair of elements)."""
-        w = _sr_word((start >> 1)[:, None] + tl.arange(0, 4)[None, :], seed_lo, seed_hi)
-        return tl.reshape(tl.join(w & 0xFFFF, w >> 16), (start.shape[0], 8))
+    def _sr_pair_bits(pair, seed_lo, seed_hi):
+        """The random bits of the elements of the [R, P] int64 pair indices ``pair``: [R, 2 P], elements
+        2 pair and 2 pair + 1 side by side, one hash per pair."""
+        w = _sr_word(pair, seed_lo, seed_hi)
+        return tl.reshape(tl.join(w & 0xFFFF, w >> 16), (pair.shape[0], 2 * pair.shape[1]))
 
     @_jit()
-    def _sr_bits_rows(rows, pid_k, K, BLOCK_K: tl.constexpr, seed_lo, seed_hi):
+    def _sr_row_bits(rows, pid_k, K, BLOCK_K: tl.constexpr, seed_lo, seed_hi):
         """The random bits of the [rows, BLOCK_K] tile at column block pid_k of a row-major [.., K] tensor (K
-        even), one word per pair of elements: pair index (row K + col) / 2."""
+        even): pair index (row K + col) / 2."""
         pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        w = _sr_word(rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], seed_lo, seed_hi)
-        return tl.reshape(tl.join(w & 0xFFFF, w >> 16), (rows.shape[0], BLOCK_K))
+        return _sr_pair_bits(rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], seed_lo, seed_hi)
 
     @_jit()
     def _e2m1(v, rand, SR: tl.constexpr):
@@ -403,7 +402,7 @@ if triton is not None:
         FAKE, stores value * sf as bf16 at those indices instead."""
         v = xh * enc[:, None]
         if SR:
-            rand = _sr_bits8(start, seed_lo, seed_hi)
+            rand = _sr_pair_bits((start >> 1)[:, None] + tl.arange(0, 4)[None, :], seed_lo, seed_hi)
         else:
             rand = 0
         code, value = _e2m1(v, rand, SR)
@@ -470,7 +469,7 @@ if triton is not None:
         sf_code, sf, enc = _block_scale(bamax, s_enc, s_dec)
         v = x4 * enc[:, None, :, None]
         if SR:
-            rand = tl.reshape(_sr_bits_rows(rows, pid_k, K, BLOCK_K, seed_lo, seed_hi), (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
+            rand = tl.reshape(_sr_row_bits(rows, pid_k, K, BLOCK_K, seed_lo, seed_hi), (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
         else:
             rand = 0
         code, value = _e2m1(v, rand, SR)
@@ -563,7 +562,7 @@ if triton is not None:
         scale_code, inv_scale = _mx_scale(bits)
         v = x3 * inv_scale[:, :, None]
         if SR:
-            rand = tl.reshape(_sr_bits_rows(rows, pid_k, K, BLOCK_K, seed_lo, seed_hi), (BLOCK_M, NB, 32))
+            rand = tl.reshape(_sr_row_bits(rows, pid_k, K, BLOCK_K, seed_lo, seed_hi), (BLOCK_M, NB, 32))
         else:
             rand = 0
         code = _mx_codes(v, rand, SR)
@@ -743,14 +742,11 @@ if triton is not None:
         base = cols.to(tl.int64)[None, :] * M + (chunks.to(tl.int64) * 16)[:, None]  # flat index of (col, 16 c)
         if SR:
             # Elements 16 c + 2 j and 16 c + 2 j + 1 of a chunk share one word (base is a multiple of 16).
-            w0 = _sr_word((base >> 1) + 0, seed_lo, seed_hi)
-            w1 = _sr_word((base >> 1) + 1, seed_lo, seed_hi)
-            w2 = _sr_word((base >> 1) + 2, seed_lo, seed_hi)
-            w3 = _sr_word((base >> 1) + 3, seed_lo, seed_hi)
-            w4 = _sr_word((base >> 1) + 4, seed_lo, seed_hi)
-            w5 = _sr_word((base >> 1) + 5, seed_lo, seed_hi)
-            w6 = _sr_word((base >> 1) + 6, seed_lo, seed_hi)
-            w7 = _sr_word((base >> 1) + 7, seed_lo, seed_hi)
+            pair = base >> 1
+            w0, w1 = _sr_word(pair, seed_lo, seed_hi), _sr_word(pair + 1, seed_lo, seed_hi)
+            w2, w3 = _sr_word(pair + 2, seed_lo, seed_hi), _sr_word(pair + 3, seed_lo, seed_hi)
+            w4, w5 = _sr_word(pair + 4, seed_lo, seed_hi), _sr_word(pair + 5, seed_lo, seed_hi)
+            w6, w7 = _sr_word(pair + 6, seed_lo, seed_hi), _sr_word(pair + 7, seed_lo, seed_hi)
         else:
             w0, w1, w2, w3, w4, w5, w6, w7 = 0, 0, 0, 0, 0, 0, 0, 0
         c0 = _rht_code(y0, factor, keep, w0 & 0xFFFF, sf, SR, FAKE, MX)

@@ -59,11 +59,16 @@ EXTERN_WORDS = frozenset({
 })
 
 
+def _val(node) -> torch.Tensor | None:
+    """The example tensor a graph node carries (``meta["val"]``), if it is a node with one."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
 def applies(node: fx.Node) -> bool:
     """Whether the quantize ``node`` runs where a separate amax pass costs a read: a CUDA device."""
-    x = node.args[0]
-    val = x.meta.get("val") if isinstance(x, fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.device.type == "cuda"
+    val = _val(node.args[0])
+    return val is not None and val.device.type == "cuda"
 
 
 def _behind_views(node: fx.Node) -> fx.Node:
@@ -72,18 +77,14 @@ def _behind_views(node: fx.Node) -> fx.Node:
     return node
 
 
-def _dtype(node) -> torch.dtype | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val.dtype if isinstance(val, torch.Tensor) else None
-
-
 def producer_is_fusible(x: fx.Node) -> bool:
     """Whether Inductor computes ``x`` (through views) in a kernel of its own that can take a reduction
     giving exactly the amax of ``x`` as stored: ``x`` must be float32. Inductor computes bf16 and fp16
     values in float32 inside a kernel and does not round them to their dtype there (a cast, a product, a
     sum), so a reduction fused into the producer of a bf16 ``x`` would see the values before their
     rounding, and its amax could differ from that of the tensor the quantizer reads."""
-    if _dtype(x) != torch.float32:
+    val = _val(x)
+    if val is None or val.dtype != torch.float32:
         return False
     node = _behind_views(x)
     if not isinstance(node, fx.Node) or node.op != "call_function":
