@@ -32,7 +32,7 @@ from fp4compile.passes.find_gemm_sites import (
 )
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.report import Report
-from fp4compile.sites import CompileContext, copy_graph
+from fp4compile.sites import CompileContext, clone_dynamo_module
 
 log = logging.getLogger("fp4compile")
 
@@ -123,7 +123,7 @@ class Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         check_gemm_dtypes(gm)
-        original = fx.GraphModule(gm, copy_graph(gm.graph))
+        original = clone_dynamo_module(gm)
         scope = _ModelScope.find(gm, example_inputs)
         return _SwitchableGraph(self, original, example_inputs, scope)
 
@@ -246,7 +246,7 @@ class _SwitchableGraph:
             if prefix not in self.graph_ids:
                 self.graph_ids[prefix] = next(self.backend._graph_ids)
             graph_id = self.graph_ids[prefix]
-            gm = fx.GraphModule(self.original, copy_graph(self.original.graph))  # shares the parameters
+            gm = clone_dynamo_module(self.original)  # shares the parameters
             names = None
             if self.scope is not None:
                 self.scope.rebase(gm, prefix)

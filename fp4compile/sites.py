@@ -23,6 +23,21 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     return copy
 
 
+def clone_dynamo_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a graph module dynamo captured, sharing its parameters, that aot_autograd still reads as
+    dynamo's: the module's ``meta`` and parameter sources and each placeholder's source travel with it.
+    From them aot_autograd tells which inputs are parameters, which CUDA graphs then keep in place;
+    without them every parameter is an input that each replay copies into the graph's own memory."""
+    clone = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+    clone.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        clone._param_name_to_source = gm._param_name_to_source
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), clone.graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return clone
+
+
 @dataclasses.dataclass
 class RoleInfo:
     """One of a site's three GEMMs. ``shape`` is (M, N, K) of C[M, N] = A[M, K] @ B[N, K]^T."""

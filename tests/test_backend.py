@@ -56,6 +56,31 @@ def test_matches_eager_reference_recipe_bit_for_bit(fmt):
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
 
 
+def test_parameters_are_static_inputs_of_the_compiled_graphs(monkeypatch):
+    """Inductor is told which forward inputs are parameters, as for a model compiled with plain Inductor:
+    CUDA graphs keep those in place instead of copying every parameter into the graph on each replay."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.compile_fx as compile_fx
+
+    seen = {}
+    inner = compile_fx.compile_fx_inner
+
+    def spy(graph, inputs, **kwargs):
+        seen["backward" if kwargs.get("is_backward") else "forward"] = (len(inputs), kwargs.get("static_input_idxs"))
+        return inner(graph, inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", spy)
+    model = _gpt(n_layer=4, d=32)
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    with functorch_config.patch(enable_autograd_cache=False):
+        _train_step(model, Backend(), idx)
+    n_inputs, static = seen["forward"]
+    n_params = len(list(model.parameters()))
+    assert n_inputs == n_params + 1  # the parameters and the token ids
+    assert len(static) == n_params, static
+    assert "backward" in seen
+
+
 def test_inductor_matches_eager_inner():
     """Inductor fuses the surrounding ops differently: results agree to fp32 accumulation-order noise."""
     idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
