@@ -262,22 +262,20 @@ if triton is not None:
     def _e2m1_sr(v, rand):
         """(4-bit code, signed E2M1 value) of v rounded stochastically, as ``formats._e2m1_index_sr``.
 
-        lo is m truncated to the grid (one mantissa bit from 1 up; 0 or 0.5 below), the step is
-        binade / 2, so frac = (m - lo) / step is exact; hi is taken when u = rand * 2**-16 < frac, with u
-        made exactly by placing the 16 bits of ``rand`` under the mantissa's top of 1.0 and subtracting 1.
+        Integer arithmetic on a fixed-point m = min(|v|, 6) in which every grid step is 2**22: from 1 up,
+        m's own bits less 252 * 2**22 (the mantissa's top bit is the grid bit, the 22 below it are
+        frac * 2**22 exactly, and 1.0 lands on index 2); below 1, ceil(m * 2**23) (step 0.5). Adding
+        2**22 - 1 - rand * 2**6 carries into the index exactly when rand * 2**6 < frac * 2**22, that is
+        when u = rand * 2**-16 < frac; below 1 the ceiling keeps that comparison exact (rand * 2**6 is
+        an integer). The index is the sum's bits from 22 up.
         """
-        m, bits, binade, sign = _grid_position(v)
+        m, bits, _, sign = _grid_position(v)
         normal = m >= 1.0
-        half = m >= 0.5
-        lo_bits = tl.where(normal, (bits >> 22) << 22, tl.where(half, 0x3F000000, 0))
-        lo = lo_bits.to(tl.float32, bitcast=True)
-        step = (binade - 0x00800000).to(tl.float32, bitcast=True)
-        inv_step = (0x7F800000 - binade).to(tl.float32, bitcast=True)
-        u = ((rand << 7) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
-        up = u < (m - lo) * inv_step
-        idx = tl.where(normal, (lo_bits >> 22) - 252, half.to(tl.uint32)) + up.to(tl.uint32)
-        value = (tl.where(up, lo + step, lo).to(tl.uint32, bitcast=True) | (sign << 28)).to(tl.float32, bitcast=True)
-        return idx | sign, value
+        below = tl.math.ceil(tl.where(normal, 0.0, m) * 8388608.0).to(tl.uint32)  # a NaN m: normal is False
+        total = tl.where(normal, bits - 0x3F000000, below) + ((rand << 6) ^ 0x3FFFFF)
+        idx = total >> 22
+        value_bits = tl.where(idx >= 2, (total & 0xFFC00000) + 0x3F000000, idx * 0x3F000000)
+        return idx | sign, (value_bits | (sign << 28)).to(tl.float32, bitcast=True)
 
     @_jit()
     def _e2m1_value(code):
