@@ -50,7 +50,7 @@ def _qtensor(data, scales, amax, fmt, block, shape, dtype=torch.float32) -> form
 def gemm(
     a: torch.Tensor, b: torch.Tensor, role: str, site: int, dtype: torch.dtype,
     b_codes: Optional[torch.Tensor] = None, b_scales: Optional[torch.Tensor] = None,
-    b_amax: Optional[torch.Tensor] = None,
+    b_amax: Optional[torch.Tensor] = None, x_amax: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """C = a @ b.T in ``dtype`` (the model's compute dtype) with a [M, K], b [N, K], or batched
     a [..., M, K], b [..., N, K] with the same leading dims (activation matmuls).
@@ -58,14 +58,16 @@ def gemm(
     Operands arrive as the model holds them (e.g. fp32 master weights under BF16 autocast), so that
     quantization reads the full-precision tensor. ``b_codes, b_scales, b_amax``, where given, are b's
     NVFP4 16x16-tile quantization made once for fprop and dgrad (``linear(..., share_weight=...)``):
-    ``insert_quantize`` uses it instead of quantizing b again. Before the passes lower it, the op
-    computes the high-precision product and ignores it.
+    ``insert_quantize`` uses it instead of quantizing b again. ``x_amax``, where given, is the global
+    amax of the activation operand as its NVFP4 quantizer sees it: max |X| for fprop's a, max |RHT(X^T)|
+    for wgrad's b (``linear(..., share_amax=...)``); ``insert_quantize`` hands it to that quantizer.
+    Before the passes lower it, the op computes the high-precision product and ignores both.
     """
     return a.to(dtype) @ b.to(dtype).transpose(-2, -1)
 
 
 @gemm.register_fake
-def _(a, b, role, site, dtype, b_codes=None, b_scales=None, b_amax=None):
+def _(a, b, role, site, dtype, b_codes=None, b_scales=None, b_amax=None, x_amax=None):
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=dtype)
 
 
@@ -454,17 +456,19 @@ class _LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, site: int, dtype: torch.dtype, share_weight):
+    def forward(ctx, x, weight, bias, site: int, dtype: torch.dtype, share_weight, share_amax):
         x2 = x.reshape(-1, x.shape[-1])
-        if share_weight is None:
-            y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype)
-            ctx.save_for_backward(x2, weight)
-        else:
+        wq = [None, None, None]
+        if share_weight is not None:
             # One 16x16-tile quantization of W for fprop and (transposed) dgrad: saved packed for backward.
             seed, check = share_weight
             wq = list(torch.ops.fp4.quantize(weight, "nvfp4", "16x16", "rne", seed, check))
-            y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype, *wq)
-            ctx.save_for_backward(x2, weight, *wq)
+        x_amax = x_rht_amax = None
+        if share_amax is not None:
+            # One read of X for both of its amaxes: fprop's, and wgrad's after the RHT, saved for backward.
+            x_amax, x_rht_amax = torch.ops.fp4.wgrad_amax(x2, share_amax)
+        y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype, *wq, x_amax)
+        ctx.save_for_backward(x2, weight, x_rht_amax, *(wq if share_weight is not None else ()))
         if bias is not None:
             y = y + bias.to(dtype)
         ctx.site, ctx.dtype = site, dtype
@@ -476,7 +480,7 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w, *wq = ctx.saved_tensors
+        x2, w, x_rht_amax, *wq = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
@@ -484,23 +488,28 @@ class _LinearFunction(torch.autograd.Function):
             dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype, *wq_t)
             dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = torch.ops.fp4.gemm(dy2.t(), x2.t(), "wgrad", ctx.site, ctx.dtype).to(ctx.w_dtype)
+            dw = torch.ops.fp4.gemm(dy2.t(), x2.t(), "wgrad", ctx.site, ctx.dtype, None, None, None, x_rht_amax)
+            dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], site: int, share_weight=None
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], site: int, share_weight=None,
+    share_amax: Optional[int] = None,
 ) -> torch.Tensor:
     """``F.linear`` whose three GEMMs carry role and site tags (see ``_LinearFunction``).
 
     ``share_weight=(seed, check)``: quantize the weight once, NVFP4 with 16x16 tiles (the quantize node's
     seed constant and check label), for the fprop GEMM and, transposed, for the dgrad GEMM; the packed
     weight is what the backward keeps. ``None``: each GEMM's operands are quantized by the passes.
+    ``share_amax=size``: the forward computes X's two NVFP4 amaxes in one read (``fp4.wgrad_amax(X,
+    size)``): max |X| for fprop and max |RHT(X^T)| (``size``-token chunks), which the backward keeps for
+    wgrad instead of reading X again for it. ``None``: each quantizer finds its own amax.
     """
     x = _autocast_input(x)
-    return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x), share_weight)
+    return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x), share_weight, share_amax)
 
 
 linear.__name__ = "fp4_linear"

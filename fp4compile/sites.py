@@ -23,6 +23,12 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     return copy
 
 
+def example_values(args) -> tuple:
+    """``args`` with each graph node replaced by its example value (``meta["val"]``): the arguments
+    with which an op's fake implementation gives a new node's metadata."""
+    return tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args)
+
+
 def clone_dynamo_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of a graph module dynamo captured, sharing its parameters, that aot_autograd still reads as
     dynamo's: the module's ``meta`` and parameter sources and each placeholder's source travel with it.

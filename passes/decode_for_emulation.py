@@ -24,7 +24,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fp4compile.sites import CompileContext
+from fp4compile.sites import CompileContext, example_values
 
 from .fuse_rht_quantize import RHT_QUANTIZE
 from .insert_quantize import QUANTIZE
@@ -85,7 +85,7 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
             fq.meta.update({k: v for k, v in q.meta.items() if k not in ("val", "eager_input_vals")})
             if "fp4_quantize" in q.meta:
                 fq.meta["fp4_quantize"] = dict(q.meta["fp4_quantize"], decoded=True)
-            vals = target(q.args[0].meta["val"], *q.args[1:])  # the ops' fake implementations
+            vals = target(*example_values(q.args))  # the ops' fake implementations
             fq.meta["val"] = vals
             for j, part in enumerate(parts):
                 part.meta["val"] = vals[j]

@@ -18,9 +18,11 @@ pass over the operand instead of two (an amax pass, then the quantizing pass):
   the H200); under autocast the X operands are bf16 and keep their own pass.
 
 The amax is exact (a maximum, no rounding), so codes, scales and amax keep their bits. Quantizers with
-an amax already, sharded-amax operands (``fp4.quantize_sharded``), MXFP4 (no global scale) and 16x16
+an amax already (X and RHT(X^T) of a linear whose forward shares X's amaxes: ``mark_fp4_linear``),
+sharded-amax operands (``fp4.quantize_sharded``), MXFP4 (no global scale) and 16x16
 weights (read from a graph input) keep their own amax pass. ``fp4_quantize`` metadata records where
-each amax comes from (``amax``: ``producer``, ``wgrad_amax`` or ``own pass``).
+each amax comes from (``amax``: ``producer``, ``wgrad_amax``, ``wgrad_amax in the forward``, ``given``
+or ``own pass``).
 """
 
 from __future__ import annotations
@@ -65,10 +67,16 @@ def _val(node) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+def separate_amax_costs_a_read(val: torch.Tensor) -> bool:
+    """Whether quantizing ``val`` where it lives runs an amax pass that reads it again: a CUDA tensor
+    (the Triton kernels). Elsewhere the quantizer computes its amax as part of the reference."""
+    return val.device.type == "cuda"
+
+
 def applies(node: fx.Node) -> bool:
-    """Whether the quantize ``node`` runs where a separate amax pass costs a read: a CUDA device."""
+    """Whether the quantize ``node`` runs where a separate amax pass costs a read."""
     val = _val(node.args[0])
-    return val is not None and val.device.type == "cuda"
+    return val is not None and separate_amax_costs_a_read(val)
 
 
 def _behind_views(node: fx.Node) -> fx.Node:

@@ -12,19 +12,22 @@ A weight quantized once for fprop and dgrad (``fp4.gemm`` given ``b_codes, b_sca
 forward the ``fp4.quantize`` of W, in the backward its ``fp4.transpose_quantized``) is dequantized from
 those nodes instead of quantized again, where the plan is NVFP4 16x16 tiles; the extra arguments are
 dropped from the GEMM either way. The shared quantization's source node gets the ``fp4_quantize``
-metadata, with ``shared="fprop+dgrad"``.
+metadata, with ``shared="fprop+dgrad"``. A GEMM given ``x_amax`` (``linear(..., share_amax=...)``)
+hands it to the quantizer of X in fprop and of RHT(X^T) in wgrad (NVFP4 1x16, RHT planned, amax not
+sharded) as their ``amax`` argument, recorded in their metadata (``amax``); it is dropped otherwise.
 """
 
 from __future__ import annotations
 
 import operator
 import zlib
+from typing import Optional
 
 import torch
 import torch.fx as fx
 
 from fp4compile import distributed, runtime
-from fp4compile.sites import CompileContext
+from fp4compile.sites import CompileContext, example_values
 
 from .plan_gemm_roles import gemm_nodes
 
@@ -56,6 +59,17 @@ def _dequantize(gm: fx.GraphModule, node: fx.Node, parts: list, fmt: str, block:
     return dq
 
 
+def _given_x_amax(info, i: int, x_amax, group) -> Optional[fx.Node]:
+    """The amax the GEMM's ``x_amax`` argument gives operand ``i``'s quantizer, where it is that
+    quantizer's own: X in fprop (operand a), RHT(X^T) in wgrad (operand b, with the RHT in the plan),
+    NVFP4 1x16 blocks, amax not sharded."""
+    if x_amax is None or group is not None or info.precision != "nvfp4" or info.blocks[i] != "1x16":
+        return None
+    if (info.role, i) == ("fprop", 0) or ((info.role, i) == ("wgrad", 1) and info.rht):
+        return x_amax
+    return None
+
+
 def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inserted = 0
     recipe = ctx.recipe
@@ -65,6 +79,7 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         site = ctx.sites[node.args[3]]
         shared = [x for x in node.args[5:8] if x is not None]
+        x_amax = node.args[8] if len(node.args) > 8 else None
         new_args = list(node.args[:5])
         activation = site.kind == "activation_matmul"
         for i in (0, 1):
@@ -76,6 +91,10 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             group = distributed.group_key(site.name, tensor) if info.precision == "nvfp4" and not activation else None
             meta = {"site": site.name, "role": info.role, "operand": operand_name, "block": block, "rounding": rounding,
                     "amax_group": group}
+            given = _given_x_amax(info, i, x_amax, group)
+            if given is not None:
+                args = (*args, given)
+                meta["amax"] = "wgrad_amax" if info.role == "fprop" else "wgrad_amax in the forward"
             if i == 1 and len(shared) == 3 and (info.precision, block, rounding) == ("nvfp4", "16x16", "rne"):
                 new_args[i] = _dequantize(gm, node, shared, info.precision, block)
                 source = shared[0].args[0] if shared[0].target is operator.getitem else shared[0]
@@ -90,7 +109,7 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 parts = [gm.graph.call_function(operator.getitem, (q, j)) for j in range(3)]
             q.meta["fp4_quantize"] = meta
             # Metadata from the ops' own fake implementations (the operand's value is a FakeTensor).
-            parts_val = QUANTIZE(operand.meta["val"], *args[1:])
+            parts_val = QUANTIZE(*example_values(args))
             q.meta["val"] = parts_val
             for j, p in enumerate(parts):
                 p.meta["val"] = parts_val[j]

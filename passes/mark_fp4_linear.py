@@ -13,6 +13,11 @@ With ``Recipe(share_weight=True)`` (the default), NVFP4 16x16 weights and FP4 ba
 gets ``share_weight=(seed, check)``: its weight is quantized once for fprop and dgrad, with the seed
 constant and check label ``insert_quantize`` would give fprop's W; weights whose amax is sharded across
 ranks (``fp4compile.distributed``) are quantized per GEMM as before.
+Where X's amax costs a read of its own (a CUDA tensor; ``fuse_amax.separate_amax_costs_a_read``), an
+NVFP4 linear with FP4 backward GEMMs and the RHT, a static token count that is a multiple of the RHT
+size and an unsharded X gets ``share_amax=rht_size``: its forward computes both amaxes of X in one
+``fp4.wgrad_amax`` read, fprop's X quantizer takes the first and the backward keeps the second for
+RHT(X^T), instead of reading X once more for it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from fp4compile import distributed, ops
 from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext
 
+from . import fuse_amax
 from .insert_quantize import operand_seed_and_label
 
 
@@ -38,6 +44,27 @@ def _share_weight(ctx: CompileContext, site) -> Optional[tuple]:
         return None
     seed, label, _ = operand_seed_and_label(recipe, site, "fprop", 1)
     return seed, label
+
+
+def _share_amax(ctx: CompileContext, site, x: fx.Node) -> Optional[int]:
+    """The RHT size for ``linear(..., share_amax=size)``: X's fprop and wgrad amaxes from one read in the
+    forward, where both GEMMs quantize X in NVFP4 with a global amax of their own and wgrad with the
+    RHT, X's amax is not sharded, and its quantizers would otherwise each read X for it (a CUDA tensor)
+    with a static token count that is a multiple of the RHT size (no token padding). Else None."""
+    recipe = ctx.recipe
+    if not (recipe.quantize_backward and recipe.rht and site.precision == "nvfp4"):
+        return None
+    if distributed.group_key(site.name, "X") is not None:
+        return None
+    val = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or val.dim() < 2 or not fuse_amax.separate_amax_costs_a_read(val):
+        return None
+    tokens = 1
+    for d in val.shape[:-1]:
+        if not isinstance(d, int):
+            return None  # symbolic: possibly padded
+        tokens *= d
+    return recipe.rht_size if tokens % recipe.rht_size == 0 else None
 
 
 def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -66,7 +93,9 @@ def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 else:  # matmul x @ B, or addmm(b, x, B): B is [in, out]
                     bias, x, param = node.args[:3] if site.kind == "addmm" else (None, *node.args[:2])
                     weight = gm.graph.call_function(torch.t, (param,))
-                new = gm.graph.call_function(ops.linear, (x, weight, bias, index, _share_weight(ctx, site)))
+                new = gm.graph.call_function(
+                    ops.linear, (x, weight, bias, index, _share_weight(ctx, site), _share_amax(ctx, site, x))
+                )
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

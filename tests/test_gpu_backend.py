@@ -140,26 +140,29 @@ class NormMLP(torch.nn.Module):
         return self.blocks[1](torch.nn.functional.gelu(self.blocks[0](self.norm(x))))
 
 
-@pytest.mark.parametrize("decoded,autocast", [(False, True), (True, True), (True, False)])
-def test_gpu_fuse_amax_keeps_the_bits(fresh_dynamo, monkeypatch, decoded, autocast):
-    """On CUDA ``fuse_amax`` gives X its amax from the producer (in float32; under autocast X is a bf16
-    cast of the producer's output, which keeps its own pass) and dY one wgrad_amax read for both of its
-    quantizations; the step keeps the bits it has with every quantizer's own amax pass."""
+@pytest.mark.parametrize("decoded,autocast,rht", [(False, True, True), (True, True, True), (True, False, True), (True, False, False)])
+def test_gpu_fuse_amax_keeps_the_bits(fresh_dynamo, monkeypatch, decoded, autocast, rht):
+    """On CUDA each linear's forward computes X's two amaxes in one wgrad_amax read (fprop's, and wgrad's
+    after the RHT, which the backward keeps), and ``fuse_amax`` gives dY one wgrad_amax read for both of
+    its quantizations; without the RHT, a float32 X takes its amax from the producer (under autocast X
+    is a bf16 cast of the producer's output, which keeps its own pass). The step keeps the bits it has
+    with every quantizer's own amax pass."""
     from fp4compile.passes import fuse_amax as amax_module
 
     torch.manual_seed(0)
     model = NormMLP()
     x = torch.randn(4, 256, 256, device="cuda")
     g = torch.randn(4, 256, 256, device="cuda")
-    applies = amax_module.applies
+    applies, costs = amax_module.applies, amax_module.separate_amax_costs_a_read
     results = {}
     for on in (True, False):
         torch._dynamo.reset()
         monkeypatch.setattr(amax_module, "applies", applies if on else (lambda node: False))
+        monkeypatch.setattr(amax_module, "separate_amax_costs_a_read", costs if on else (lambda val: False))
         runtime.manual_seed(11)
         m = NormMLP().cuda()
         m.load_state_dict(model.state_dict())
-        backend = Backend(high_precision_first_blocks=0, high_precision_last_blocks=0, decoded_operands=decoded)
+        backend = Backend(high_precision_first_blocks=0, high_precision_last_blocks=0, decoded_operands=decoded, rht=rht)
         xd = x.clone().requires_grad_()
         with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
             y = torch.compile(m, backend=backend)(xd)
@@ -167,7 +170,8 @@ def test_gpu_fuse_amax_keeps_the_bits(fresh_dynamo, monkeypatch, decoded, autoca
         results[on] = [y.detach(), xd.grad] + [p.grad for p in m.parameters()]
         final = [gr.code for gr in backend.report.graphs if gr.pass_name == "fuse_amax"]
         assert len(final) == 2
-        assert ("fp4.wgrad_amax" in final[1]) == on
-        assert ("aten.amax" in final[0]) == (on and not autocast)
+        assert ("fp4.wgrad_amax" in final[0]) == (on and rht)  # X's two amaxes in the forward
+        assert ("fp4.wgrad_amax" in final[1]) == (on and rht)  # dY's
+        assert ("aten.amax" in final[0]) == (on and not autocast and not rht)
     for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)

@@ -27,7 +27,7 @@ from fp4compile.passes.insert_rht import insert_rht
 from fp4compile.passes.lower_scaled_mm import lower_scaled_mm
 from fp4compile.passes.mark_fp4_linear import mark_fp4_linear
 from fp4compile.passes.plan_gemm_roles import plan_gemm_roles
-from fp4compile.sites import CompileContext
+from fp4compile.sites import CompileContext, clone_dynamo_module
 
 F4 = torch.ops.fp4
 
@@ -407,6 +407,44 @@ def test_fuse_amax_gives_quantizers_their_amax_with_the_same_bits(marked, monkey
         assert readers == ({F4.fake_quantize.default, F4.fake_rht_quantize.default} if decoded
                            else {F4.quantize.default, F4.rht_quantize.default})
         assert len(node.users) == 2
+    assert torch.equal(y, y_ref)
+    assert len(grads) == len(grads_ref) > 0
+    for g, g_ref in zip(grads, grads_ref):
+        assert torch.equal(g, g_ref)
+
+
+@pytest.mark.parametrize("decoded", [False, True])
+def test_forward_shares_x_amaxes_with_wgrad(dynamo_graph, monkeypatch, decoded):
+    """Where X's amax costs a read (CUDA; forced here on the CPU), each FP4 linear's forward computes both
+    amaxes of X in one fp4.wgrad_amax: fprop's X quantizer takes the first, and the backward keeps the
+    second (a saved scalar) for RHT(X^T), which reads X once instead of twice. Same bits as without."""
+    import fp4compile
+
+    _, gm, example = dynamo_graph
+    passes = LOWERED + ([decode_for_emulation] if decoded else []) + [fuse_amax]
+    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    monkeypatch.setattr(amax_module, "applies", lambda node: True)
+    results = {}
+    for shared in (False, True):
+        monkeypatch.setattr(amax_module, "separate_amax_costs_a_read", lambda val: shared)
+        marked = clone_dynamo_module(gm)
+        ctx = CompileContext(Recipe(decoded_operands=decoded), 0)
+        for p in (find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear):
+            p(marked, ctx)
+        assert [n.args[5] for n in marked.graph.nodes if n.target is ops.linear] == [16 if shared else None] * 4
+        fp4compile.manual_seed(5)
+        results[shared] = _run_with_grads(marked, example, ctx, passes)
+    (graphs, y, grads), (_, y_ref, grads_ref) = results[True], results[False]
+    forward, backward = graphs["forward"], graphs["backward"]
+    assert _amax_sources(forward) == [("W", "own pass")] * 4 + [("X", "wgrad_amax")] * 4
+    assert _amax_sources(backward) == (
+        [("X^T", "wgrad_amax in the forward")] * 4 + [("dY", "wgrad_amax")] * 4 + [("dY^T", "wgrad_amax")] * 4
+    )
+    assert len(role_nodes(forward, F4.wgrad_amax.default)) == 4
+    assert len(role_nodes(backward, F4.wgrad_amax.default)) == 4  # dY's, shared by dgrad and wgrad
+    transformed = F4.fake_rht_quantize.default if decoded else F4.rht_quantize.default
+    x_t = [n for n in role_nodes(backward, transformed) if n.meta["fp4_quantize"]["operand"] == "X^T"]
+    assert all(n.args[7].op == "placeholder" for n in x_t)  # the amax the forward saved
     assert torch.equal(y, y_ref)
     assert len(grads) == len(grads_ref) > 0
     for g, g_ref in zip(grads, grads_ref):
