@@ -295,29 +295,33 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @_jit()
-    def _sr_word(pair, seed_lo, seed_hi):
-        """The 32-bit words of int64 pair indices ``pair`` (elements 2 pair and 2 pair + 1) in the stream
+    def _sr_word(first, k, seed_lo, seed_hi):
+        """The 32-bit words of the pair indices first + k (elements 2 pair and 2 pair + 1) in the stream
         (seed_lo, seed_hi), as ``formats.sr_random_bits``: element 2 pair draws the low 16 bits, element
-        2 pair + 1 the high 16 bits. Every kernel holds both elements of a pair and hashes once for both."""
+        2 pair + 1 the high 16 bits. Every kernel holds both elements of a pair and hashes once for both.
+
+        ``first`` (int64) is a multiple of a power of two above every ``k`` (small non-negative ints), so
+        first + k carries nothing: its low word is first's with k or-ed in and its high word is first's;
+        the index arithmetic stays 32-bit and is shared by the pairs of a block."""
         k0 = seed_lo.to(tl.uint32, bitcast=True)
         k1 = seed_hi.to(tl.uint32, bitcast=True)
-        lo = pair.to(tl.uint32)
-        hi = (pair >> 32).to(tl.uint32)
-        return _hash32(_hash32(lo ^ k0) ^ (hi ^ k1))
+        lo = (first.to(tl.uint32) ^ k0) ^ k
+        hi = (first >> 32).to(tl.uint32) ^ k1
+        return _hash32(_hash32(lo) ^ hi)
 
     @_jit()
-    def _sr_pair_bits(pair, seed_lo, seed_hi):
-        """The random bits of the elements of the [R, P] int64 pair indices ``pair``: [R, 2 P], elements
-        2 pair and 2 pair + 1 side by side, one hash per pair."""
-        w = _sr_word(pair, seed_lo, seed_hi)
-        return tl.reshape(tl.join(w & 0xFFFF, w >> 16), (pair.shape[0], 2 * pair.shape[1]))
+    def _sr_pair_bits(first, k, seed_lo, seed_hi):
+        """The random bits of the elements of the [R, P] pair indices first + k (as ``_sr_word``): [R, 2 P],
+        elements 2 pair and 2 pair + 1 side by side, one hash per pair."""
+        w = _sr_word(first, k, seed_lo, seed_hi)
+        return tl.reshape(tl.join(w & 0xFFFF, w >> 16), (w.shape[0], 2 * w.shape[1]))
 
     @_jit()
     def _sr_row_bits(rows, pid_k, K, BLOCK_K: tl.constexpr, seed_lo, seed_hi):
         """The random bits of the [rows, BLOCK_K] tile at column block pid_k of a row-major [.., K] tensor (K
         even): pair index (row K + col) / 2."""
         pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        return _sr_pair_bits(rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], seed_lo, seed_hi)
+        return _sr_pair_bits(rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], 0, seed_lo, seed_hi)
 
     @_jit()
     def _e2m1(v, rand, SR: tl.constexpr):
@@ -400,7 +404,8 @@ if triton is not None:
         FAKE, stores value * sf as bf16 at those indices instead."""
         v = xh * enc[:, None]
         if SR:
-            rand = _sr_pair_bits((start >> 1)[:, None] + tl.arange(0, 4)[None, :], seed_lo, seed_hi)
+            # start is a multiple of 8: the half block's four pairs share its pair index's high bits.
+            rand = _sr_pair_bits((start >> 1)[:, None], tl.arange(0, 4)[None, :], seed_lo, seed_hi)
         else:
             rand = 0
         code, value = _e2m1(v, rand, SR)
@@ -740,11 +745,11 @@ if triton is not None:
         base = cols.to(tl.int64)[None, :] * M + (chunks.to(tl.int64) * 16)[:, None]  # flat index of (col, 16 c)
         if SR:
             # Elements 16 c + 2 j and 16 c + 2 j + 1 of a chunk share one word (base is a multiple of 16).
-            pair = base >> 1
-            w0, w1 = _sr_word(pair, seed_lo, seed_hi), _sr_word(pair + 1, seed_lo, seed_hi)
-            w2, w3 = _sr_word(pair + 2, seed_lo, seed_hi), _sr_word(pair + 3, seed_lo, seed_hi)
-            w4, w5 = _sr_word(pair + 4, seed_lo, seed_hi), _sr_word(pair + 5, seed_lo, seed_hi)
-            w6, w7 = _sr_word(pair + 6, seed_lo, seed_hi), _sr_word(pair + 7, seed_lo, seed_hi)
+            pair = base >> 1  # a multiple of 8
+            w0, w1 = _sr_word(pair, 0, seed_lo, seed_hi), _sr_word(pair, 1, seed_lo, seed_hi)
+            w2, w3 = _sr_word(pair, 2, seed_lo, seed_hi), _sr_word(pair, 3, seed_lo, seed_hi)
+            w4, w5 = _sr_word(pair, 4, seed_lo, seed_hi), _sr_word(pair, 5, seed_lo, seed_hi)
+            w6, w7 = _sr_word(pair, 6, seed_lo, seed_hi), _sr_word(pair, 7, seed_lo, seed_hi)
         else:
             w0, w1, w2, w3, w4, w5, w6, w7 = 0, 0, 0, 0, 0, 0, 0, 0
         c0 = _rht_code(y0, factor, keep, w0 & 0xFFFF, sf, SR, FAKE, MX)
