@@ -79,6 +79,7 @@ __all__ = [
     "fake_quantize_1x16",
     "fake_quantize_16x16",
     "fake_quantize_wgrad_operand",
+    "fake_quantize_dual",
     "dequantize",
     "block_decode",
     "transpose_tiles",
@@ -88,6 +89,7 @@ __all__ = [
     "rht_quantize_provider",
     "fake_quantize_provider",
     "fake_rht_quantize_provider",
+    "fake_dual_quantize_provider",
     "CONFIGS",
 ]
 
@@ -104,6 +106,7 @@ CONFIGS = {
     "quantize_tiles": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
     "rht_amax": dict(BLOCK_M=128, BLOCK_K=64, ITERS=4, num_warps=4),
     "rht_quantize": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
+    "dual_quantize": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
     "decode": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
     "transpose_tiles": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
     "quantize_mx": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
@@ -826,6 +829,30 @@ if triton is not None:
             if PASS == 1:
                 tl.atomic_max(own_ptr, tile_amax_bits)
 
+    @_jit(do_not_specialize=("seed_lo", "seed_hi", "seed_t_lo", "seed_t_hi"))
+    def _dual_quantize_kernel(
+        x_ptr, amax_ptr, amax_t_ptr, bd_ptr, bd_t_ptr, M, K, stride_xm,
+        seed_ptr, seed_lo, seed_hi, seed_t_ptr, seed_t_lo, seed_t_hi,
+        SR: tl.constexpr, MIX: tl.constexpr, SR_T: tl.constexpr, MIX_T: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """Both NVFP4 quantizations of a [M tokens, K] tensor, block-decoded, with their own amaxes given
+        (``fp4.wgrad_amax``): 1x16 blocks along K into bd_ptr [M, K], and RHT(x^T) with 16-token blocks
+        into bd_t_ptr [K, M]. Each program quantizes its tile both ways, so the second read of the tile
+        comes from L2 and the tensor is read from memory once."""
+        pid_m = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        seed_t_lo, seed_t_hi = _stream_key(seed_t_ptr, seed_t_lo, seed_t_hi, MIX_T)
+        _rht_quantize_tile(
+            x_ptr, bd_t_ptr, bd_t_ptr, bd_t_ptr, tl.load(amax_t_ptr), M, K, stride_xm, seed_t_lo, seed_t_hi,
+            pid_m, pid_k, SR_T, False, True, BLOCK_M, BLOCK_K,
+        )
+        seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
+        _quantize_blocks_tile(
+            x_ptr, bd_ptr, bd_ptr, bd_ptr, tl.load(amax_ptr), M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
+            SR, False, True, BLOCK_M, BLOCK_K,
+        )
+
     @_jit()
     def _pairs(t):
         """[2n, C] -> [n, 2, C]: chunks 2b and 2b + 1 side by side."""
@@ -1251,6 +1278,33 @@ def fake_quantize_wgrad_operand(
     return _quantize_wgrad(x, rounding, seed, amax, False, True, amax_is_own)
 
 
+def fake_quantize_dual(
+    x: torch.Tensor, rounding: str, seed: Seed, amax: torch.Tensor,
+    rounding_t: str, seed_t: Seed, amax_t: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``fake_quantize_1x16(x, rounding, seed, amax=amax, amax_is_own=True)[0]``,
+    ``fake_quantize_wgrad_operand(x, rounding_t, seed_t, amax=amax_t, amax_is_own=True)[0]``) from one
+    launch that reads each tile of the [tokens, K] tensor x once for both: a gradient dY quantized for
+    dgrad and, with the RHT, for wgrad. ``amax`` and ``amax_t`` must be x's own (``wgrad_amax(x)``)."""
+    _require_triton()
+    x2 = _as_rows(x, "fake_quantize_dual", rows_multiple=16)
+    m, k = x2.shape
+    cfg = CONFIGS["dual_quantize"]
+    bd = torch.empty((m, k), dtype=torch.bfloat16, device=x2.device)
+    bd_t = torch.empty((k, m), dtype=torch.bfloat16, device=x2.device)
+    given = [a.detach().to(device=x2.device, dtype=torch.float32).reshape(1).contiguous() for a in (amax, amax_t)]
+    seeds = _seed_args(rounding, seed, x2, bd)
+    seeds_t = _seed_args(rounding_t, seed_t, x2, bd)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    _dual_quantize_kernel[grid](
+        x2, given[0], given[1], bd, bd_t, m, k, x2.stride(0),
+        seeds["seed_ptr"], seeds["seed_lo"], seeds["seed_hi"], seeds_t["seed_ptr"], seeds_t["seed_lo"], seeds_t["seed_hi"],
+        SR=rounding == "sr", MIX=seeds["MIX"], SR_T=rounding_t == "sr", MIX_T=seeds_t["MIX"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
+    )
+    return bd.reshape(x.shape), bd_t
+
+
 def _decode(data, scales, amax, dtype, swizzled, apply_amax):
     _require_triton()
     data = data.view(torch.uint8)
@@ -1393,6 +1447,16 @@ def fake_rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str)
     if fmt != "nvfp4" or rht_quantize_provider(x, size, fmt, block) is None:
         return None
     return lambda x, rounding, seed, **given: fake_quantize_wgrad_operand(x.t(), rounding, seed, **given)
+
+
+def fake_dual_quantize_provider(x: torch.Tensor, size: int, fmt: str):
+    """A provider for ``runtime.register_fake_dual_quantize_provider``: ``fake_quantize_dual`` for a 2-D
+    NVFP4 CUDA tensor [tokens, K] (both multiples of 16), or None where it cannot take the call."""
+    if fmt != "nvfp4" or size != 16 or fake_quantize_provider(x, fmt, "1x16") is None:
+        return None
+    if x.dim() != 2 or x.shape[0] % 16:
+        return None
+    return fake_quantize_dual
 
 
 def rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str):

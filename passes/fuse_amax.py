@@ -7,7 +7,10 @@ Guarantees: on CUDA graphs (elsewhere the pass changes nothing), NVFP4 quantize 
 pass over the operand instead of two (an amax pass, then the quantizing pass):
 
 - a tensor quantized both along K (dgrad's dY) and, transposed with the RHT, along tokens (wgrad's
-  dY^T) gets both amaxes from one ``fp4.wgrad_amax`` node, one read of the tensor for the two;
+  dY^T) gets both amaxes from one ``fp4.wgrad_amax`` node, one read of the tensor for the two; where
+  both quantizations are decoded for the emulation (``decode_for_emulation``), they become one
+  ``fp4.fake_dual_quantize`` node, one more read for the two, and the GEMMs take the amaxes from
+  ``fp4.wgrad_amax`` (its metadata: ``fp4_quantize`` for dY, ``fp4_quantize_rht`` for dY^T);
 - any other 1x16 operand whose producer Inductor compiles into a kernel of its own making (a layer
   norm, an activation function, a residual sum: anything but a graph input, a GEMM, attention or an
   ``fp4`` op) gets ``amax(abs(x))`` in the graph: a reduction whose first stage Inductor computes in
@@ -32,7 +35,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fp4compile.sites import CompileContext
+from fp4compile.sites import CompileContext, example_values
 
 from .decode_for_emulation import FAKE_QUANTIZE, FAKE_RHT_QUANTIZE
 from .fuse_rht_quantize import RHT_QUANTIZE
@@ -40,6 +43,7 @@ from .insert_quantize import QUANTIZE
 
 aten = torch.ops.aten
 WGRAD_AMAX = torch.ops.fp4.wgrad_amax.default
+FAKE_DUAL_QUANTIZE = torch.ops.fp4.fake_dual_quantize.default
 ROWS = (QUANTIZE, FAKE_QUANTIZE)
 TRANSFORMED = (RHT_QUANTIZE, FAKE_RHT_QUANTIZE)
 # Ops that only relabel memory: the producer is behind them.
@@ -158,12 +162,33 @@ def _producer_amax(gm: fx.GraphModule, q: fx.Node) -> fx.Node:
     return out
 
 
+def _make_dual(gm: fx.GraphModule, rows: fx.Node, transformed: fx.Node, base: fx.Node, amaxes: list, first: fx.Node):
+    """Replace a gradient's two decoded quantizations (``rows``: 1x16, ``transformed``: RHT of its
+    transpose), whose amaxes are ``amaxes`` (from ``fp4.wgrad_amax``), by one ``fp4.fake_dual_quantize``
+    of ``base``; readers of their amax outputs read ``amaxes`` instead."""
+    _, fmt, _, rounding, seed, check, _ = rows.args
+    size, _, _, rounding_t, seed_t, check_t, _ = transformed.args[1:]
+    args = (base, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, *amaxes)
+    with gm.graph.inserting_before(first):
+        dual = _call(gm.graph, FAKE_DUAL_QUANTIZE, args, FAKE_DUAL_QUANTIZE(*example_values(args)))
+        outputs = [_call(gm.graph, operator.getitem, (dual, j), dual.meta["val"][j]) for j in (0, 1)]
+    dual.meta["fp4_quantize"] = dict(rows.meta.get("fp4_quantize", {}), dual=True)
+    dual.meta["fp4_quantize_rht"] = dict(transformed.meta.get("fp4_quantize", {}), dual=True)
+    for old, decoded, amax in ((rows, outputs[0], amaxes[0]), (transformed, outputs[1], amaxes[1])):
+        for item in list(old.users):
+            if item.target is not operator.getitem:
+                raise AssertionError(f"fuse_amax: {old.name} is read other than through getitem")
+            item.replace_all_uses_with(decoded if item.args[1] == 0 else amax)
+            gm.graph.erase_node(item)
+        gm.graph.erase_node(old)
+
+
 def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     nvfp4 = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ROWS + TRANSFORMED and _fmt_block(n)[0] == "nvfp4"]
     quantizers = [n for n in nvfp4 if _fmt_block(n)[1] == "1x16" and not _has_amax(n) and applies(n)]
     rows = [n for n in quantizers if n.target in ROWS]
-    shared = fused = 0
+    shared = fused = dual = 0
     taken = set()
     for r in (n for n in quantizers if n.target in TRANSFORMED):
         x, size = r.args[0], r.args[1]
@@ -183,6 +208,9 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         _give_amax(r, amaxes[1], "wgrad_amax")
         taken.add(partner)
         shared += 1
+        if partner.target is FAKE_QUANTIZE and r.target is FAKE_RHT_QUANTIZE:
+            _make_dual(gm, partner, r, base, amaxes, first)
+            dual += 1
     for q in rows:
         if q in taken:
             continue
@@ -196,6 +224,7 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     gm.recompile()
     ctx.note(
         f"graph {ctx.graph_id}: {shared} tensors share one amax read between their two quantizations, "
-        f"{fused} quantizers take the amax from their operand's producer"
+        f"{fused} quantizers take the amax from their operand's producer, {dual} gradients are decoded for "
+        "dgrad and wgrad in one read"
     )
     return gm

@@ -373,10 +373,11 @@ def test_decode_for_emulation_decodes_an_operand_read_elsewhere(marked_unshared,
 
 
 def _amax_sources(graph):
-    return sorted(
-        (n.meta["fp4_quantize"]["operand"], n.meta["fp4_quantize"]["amax"]) for n in graph.graph.nodes
-        if n.target in (F4.quantize.default, F4.rht_quantize.default, F4.fake_quantize.default, F4.fake_rht_quantize.default)
-    )
+    quantizers = (F4.quantize.default, F4.rht_quantize.default, F4.fake_quantize.default, F4.fake_rht_quantize.default)
+    metas = [n.meta["fp4_quantize"] for n in graph.graph.nodes if n.target in quantizers]
+    for n in role_nodes(graph, F4.fake_dual_quantize.default):  # a gradient's two quantizations in one node
+        metas += [n.meta["fp4_quantize"], n.meta["fp4_quantize_rht"]]
+    return sorted((m["operand"], m["amax"]) for m in metas)
 
 
 @pytest.mark.parametrize("decoded", [False, True])
@@ -404,9 +405,11 @@ def test_fuse_amax_gives_quantizers_their_amax_with_the_same_bits(marked, monkey
     assert len(shared) == 4
     for node in shared:
         readers = {u.target for item in node.users for u in item.users}
-        assert readers == ({F4.fake_quantize.default, F4.fake_rht_quantize.default} if decoded
+        # Decoded: dY's two quantizations are one fake_dual_quantize, and the GEMMs read the amaxes here.
+        assert readers == ({F4.fake_dual_quantize.default, F4.emulated_mm.default} if decoded
                            else {F4.quantize.default, F4.rht_quantize.default})
         assert len(node.users) == 2
+    assert len(role_nodes(backward, F4.fake_dual_quantize.default)) == (4 if decoded else 0)
     assert torch.equal(y, y_ref)
     assert len(grads) == len(grads_ref) > 0
     for g, g_ref in zip(grads, grads_ref):

@@ -156,6 +156,22 @@ def test_quantize_wgrad_operand_swizzled_batched():
     assert_same_quantization(data, scales, amax, wgrad_reference(x, "sr", seed=3), swizzled=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rounding, rounding_t", [("sr", "sr"), ("rne", "sr")])
+def test_fake_quantize_dual_equals_the_two_quantizations(dtype, rounding, rounding_t):
+    """One launch for a gradient's two decoded operands (1x16, and RHT(x^T)): the bits of the two kernels."""
+    x = sample((96, 80), dtype, seed=12).to(DEVICE)  # 96 tokens (two tiles along them), 80 features
+    amax, amax_t = tk.wgrad_amax(x)
+    rows, transformed = tk.fake_quantize_dual(x, rounding, 7, amax, rounding_t, BIG_SEED, amax_t)
+    want_rows, _ = tk.fake_quantize_1x16(x, rounding, 7, amax=amax, amax_is_own=True)
+    want_t, _ = tk.fake_quantize_wgrad_operand(x, rounding_t, BIG_SEED, amax=amax_t, amax_is_own=True)
+    assert rows.shape == (96, 80) and transformed.shape == (80, 96)
+    assert torch.equal(rows, want_rows)
+    assert torch.equal(transformed, want_t)
+    ref = wgrad_reference(x.cpu(), rounding_t, seed=BIG_SEED)
+    assert torch.equal(transformed.cpu().float(), formats.block_decode(ref).float())
+
+
 def test_global_amax_and_wgrad_amax():
     x = sample((64, 48), torch.bfloat16, seed=8)
     assert torch.equal(tk.global_amax(x.to(DEVICE)).cpu(), x.float().abs().amax())
