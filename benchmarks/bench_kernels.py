@@ -42,6 +42,10 @@ SWEEPS = {
         dict(BLOCK_M=64, BLOCK_K=128, num_warps=4), dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
         dict(BLOCK_M=128, BLOCK_K=128, num_warps=8),
     ],
+    "dual_quantize": [
+        dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=64, BLOCK_K=128, num_warps=4),
+        dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
+    ],
     "rht_quantize_mx": [
         dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
         dict(BLOCK_M=64, BLOCK_K=128, num_warps=4),
@@ -123,6 +127,21 @@ def cases(n: int) -> list[Case]:
         Case(
             "fake_quantize_wgrad sr", lambda s: tk.fake_quantize_wgrad_operand(s["x"], "sr", SEED), fake,
             "rht_quantize", "2 passes",
+        ),
+        Case(
+            "fake_quantize_1x16 sr, own amax",
+            lambda s: tk.fake_quantize_1x16(s["x"], "sr", SEED, amax=s["amax"], amax_is_own=True), fake,
+            "quantize_rows", "1 pass",
+        ),
+        Case(
+            "fake_quantize_wgrad sr, own amax",
+            lambda s: tk.fake_quantize_wgrad_operand(s["x"], "sr", SEED, amax=s["amax_rht"], amax_is_own=True), fake,
+            "rht_quantize", "1 pass",
+        ),
+        Case(
+            "fake_quantize_dual sr+sr, own amaxes",
+            lambda s: tk.fake_quantize_dual(s["x"], "sr", SEED, s["amax"], "sr", SEED, s["amax_rht"]),
+            2 * n + 4 * n + 8, "dual_quantize", "both of the two rows above",
         ),
         Case(
             "dequantize to bf16", lambda s: tk.dequantize(s["data"], s["scales"], s["amax"], torch.bfloat16),
@@ -279,8 +298,13 @@ def check_all(state, outputs: dict) -> dict:
             result[name] = same_quantization(out, ref["wgrad sr" if "+sr" in name else "wgrad rne"])
         elif name == "fake_quantize_1x16 rne":
             result[name] = same_bits(out[0], formats.block_decode(ref["rne"]).to(torch.bfloat16))
-        elif name == "fake_quantize_wgrad sr":
+        elif name.startswith("fake_quantize_wgrad sr"):
             result[name] = same_bits(out[0], formats.block_decode(ref["wgrad sr"]).to(torch.bfloat16))
+        elif name.startswith("fake_quantize_1x16 sr"):
+            result[name] = same_bits(out[0], formats.block_decode(ref["sr"]).to(torch.bfloat16))
+        elif name.startswith("fake_quantize_dual"):
+            result[name] = (same_bits(out[0], formats.block_decode(ref["sr"]).to(torch.bfloat16))
+                            or same_bits(out[1], formats.block_decode(ref["wgrad sr"]).to(torch.bfloat16)))
         elif name.startswith(("quantize_mxfp4", "quantize_wgrad_operand_mxfp4")):
             wgrad = name.startswith("quantize_wgrad")
             mx = formats.quantize(rht if wgrad else xc, "mxfp4", "1x32", "sr" if name.endswith(" sr") else "rne", seed=SEED)
