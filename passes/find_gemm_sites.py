@@ -122,7 +122,9 @@ def graph_root(gm: fx.GraphModule) -> Optional[str]:
     """The source of the one model the graph reads modules and parameters from, or None.
 
     A model whose forward is wrapped by a decorator (Hugging Face models) is reached as
-    ``L['args'][0]``, a module compiled directly as ``L['self']``.
+    ``L['args'][0]``, a module compiled directly as ``L['self']``. Modules the model's code reaches
+    through its module's globals (a function wrapped as a parameter-free module, such as Hugging Face's
+    hub-kernel layers) are not the model: where the frame's locals give one root, that is it.
     """
     roots = set()
     for node in gm.graph.nodes:
@@ -131,13 +133,18 @@ def graph_root(gm: fx.GraphModule) -> Optional[str]:
         grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
         if grapharg is not None and "._parameters[" in _source_name(grapharg):
             roots.add(source_root(_source_name(grapharg)))
+    local = {r for r in roots if r.startswith("L[")}
+    roots = local or roots
     return roots.pop() if len(roots) == 1 else None
 
 
 def _stack(node: fx.Node, root: Optional[str] = None) -> list[tuple[str, str]]:
-    """[(module path, class name)] from the root's child down to the module that made ``node``."""
+    """[(module path, class name)] from the root's child down to the module that made ``node``; with a
+    root, only the model's own modules (not helper modules reached through globals, see ``graph_root``)."""
     out = []
     for qualified, cls in (node.meta.get("nn_module_stack") or {}).values():
+        if root and not qualified.startswith(root):
+            continue
         name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
         out.append((module_path(qualified, root), name.rsplit(".", 1)[-1]))
     return [(p, c) for p, c in out if p]
