@@ -108,6 +108,34 @@ def test_find_blocks_and_assign_precision(dynamo_graph):
     assert plan["lm_head"] == (None, "high")
 
 
+_GLOBAL_HELPER = nn.GELU()  # a parameter-free module the model's code reaches through its module's globals
+
+
+class _UsesGlobalModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(3)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = _GLOBAL_HELPER(block(x))
+        return x
+
+
+def test_modules_reached_through_globals_are_not_the_model():
+    """A helper module from the model code's globals (as Hugging Face's hub-kernel layers) is neither a
+    second root nor the module a GEMM belongs to: the sites keep the model's paths."""
+    from fp4compile.passes.find_gemm_sites import graph_root
+
+    gm, _ = capture(_UsesGlobalModule(), torch.randn(2, 16, 32))
+    stacks = [q for n in gm.graph.nodes for q, _ in (n.meta.get("nn_module_stack") or {}).values()]
+    assert any(q.startswith("G[") for q in stacks) and any(q.startswith("L[") for q in stacks)
+    assert graph_root(gm) == "L['self']"
+    ctx = CompileContext(Recipe(), 0)
+    find_gemm_sites(gm, ctx)
+    assert [s.name for s in ctx.sites] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
 def test_mark_fp4_linear_rewrites_only_low_precision_sites(dynamo_graph):
     _, gm, _ = dynamo_graph
     ctx = CompileContext(Recipe(), 0)
