@@ -839,7 +839,7 @@ if triton is not None:
         """Both NVFP4 quantizations of a [M tokens, K] tensor, block-decoded, with their own amaxes given
         (``fp4.wgrad_amax``): 1x16 blocks along K into bd_ptr [M, K], and RHT(x^T) with 16-token blocks
         into bd_t_ptr [K, M]. Each program quantizes its tile both ways, so the second read of the tile
-        comes from L2 and the tensor is read from memory once."""
+        comes mostly from L2."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         seed_t_lo, seed_t_hi = _stream_key(seed_t_ptr, seed_t_lo, seed_t_hi, MIX_T)
@@ -1284,8 +1284,8 @@ def fake_quantize_dual(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``fake_quantize_1x16(x, rounding, seed, amax=amax, amax_is_own=True)[0]``,
     ``fake_quantize_wgrad_operand(x, rounding_t, seed_t, amax=amax_t, amax_is_own=True)[0]``) from one
-    launch that reads each tile of the [tokens, K] tensor x once for both: a gradient dY quantized for
-    dgrad and, with the RHT, for wgrad. ``amax`` and ``amax_t`` must be x's own (``wgrad_amax(x)``)."""
+    launch that quantizes each tile of the [tokens, K] tensor x both ways (the second read of a tile
+    mostly from L2): a gradient dY quantized for dgrad and, with the RHT, for wgrad. ``amax`` and ``amax_t`` must be x's own (``wgrad_amax(x)``)."""
     _require_triton()
     x2 = _as_rows(x, "fake_quantize_dual", rows_multiple=16)
     m, k = x2.shape

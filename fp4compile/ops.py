@@ -14,7 +14,7 @@ in buffers; ``formats.QTensor`` is rebuilt inside the implementations.
 | ``fp4.wgrad_amax(x, size)`` | (max abs of x, max abs of rht(x.T)) from one read: the amaxes the quantize ops take |
 | ``fp4.scaled_mm(a, sa, amax_a, b, sb, amax_b, fmt, out_dtype, kernel)`` | FP4 GEMM, fp32 accumulate |
 | ``fp4.fake_quantize(x, fmt, block, rounding, seed)`` / ``fp4.fake_rht_quantize(x, size, ...)`` | block-decoded operand (bf16) and amax |
-| ``fp4.fake_dual_quantize(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t)`` | the two decoded operands of a gradient (1x16, and RHT(x.T)) from one read |
+| ``fp4.fake_dual_quantize(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t)`` | the two decoded operands of a gradient (1x16, and RHT(x.T)) in one launch |
 | ``fp4.emulated_mm(a_bd, amax_a, b_bd, amax_b, fmt, out_dtype)`` | emulated FP4 GEMM on block-decoded operands |
 """
 
@@ -284,8 +284,8 @@ def fake_dual_quantize(
     """(``fp4.fake_quantize(x, fmt, "1x16", rounding, seed, check, amax)[0]``,
     ``fp4.fake_rht_quantize(x.t(), size, fmt, "1x16", rounding_t, seed_t, check_t, amax_t)[0]``): a
     [tokens, K] gradient dY block-decoded for dgrad and, with the RHT, for wgrad, with both amaxes its
-    own (``fp4.wgrad_amax``). On CUDA one Triton launch reads each tile of x once for both; elsewhere
-    the two ops run in turn. The bits are those of the two ops."""
+    own (``fp4.wgrad_amax``). On CUDA one Triton launch quantizes each tile of x both ways (its second
+    read mostly from L2); elsewhere the two ops run in turn. The bits are those of the two ops."""
     kernel = runtime.fake_dual_quantize_kernel(x, size, fmt)
     if kernel is None:
         rows = torch.ops.fp4.fake_quantize.default(x, fmt, "1x16", rounding, seed, check, amax)[0]

@@ -212,7 +212,7 @@ def register_fake_rht_quantize_provider(provider: Callable) -> None:
     _fake_rht_quantize_providers.append(provider)
 
 
-# Both decoded quantizations of a gradient in one read (``fp4.fake_dual_quantize``): each takes (x, size,
+# Both decoded quantizations of a gradient in one launch (``fp4.fake_dual_quantize``): each takes (x, size,
 # fmt) and returns a callable (x, rounding, seed, amax, rounding_t, seed_t, amax_t) -> (1x16 decoded,
 # RHT(x^T) decoded), or None.
 _fake_dual_quantize_providers: list[Callable] = []

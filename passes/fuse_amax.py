@@ -225,6 +225,6 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     ctx.note(
         f"graph {ctx.graph_id}: {shared} tensors share one amax read between their two quantizations, "
         f"{fused} quantizers take the amax from their operand's producer, {dual} gradients are decoded for "
-        "dgrad and wgrad in one read"
+        "dgrad and wgrad in one launch"
     )
     return gm
