@@ -16,6 +16,7 @@ over the tensor per kernel.
 | ``quantize_mxfp4(x, rounding, seed)`` | (codes [M, K/2], E8M0 scale bytes [M, K/32], max abs of x) | ``quantize(x, "mxfp4", "1x32", ..)`` |
 | ``quantize_wgrad_operand_mxfp4(x, ..)`` | the same for RHT(x^T): [K, tokens/2] .. | ``quantize(rht(x.t()), "mxfp4", ..)`` |
 | ``fake_quantize_*`` | (value(code) * block scale in bf16, amax) | ``block_decode(quantize(..))`` |
+| ``fake_quantize_dual(x, ..)`` | both decoded operands of a gradient: 1x16 and RHT(x^T), one launch | the two ``fake_quantize_*`` |
 | ``dequantize`` / ``block_decode`` | decoded tensor from codes and scales | ``formats.dequantize`` / ``block_decode`` |
 | ``transpose_tiles(data, scales)`` | codes and scales of W^T from a 16x16-tile quantized W | ``QTensor.transpose()`` |
 | ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alpha | ``ops.scaled_mm_reference`` |
@@ -1060,6 +1061,11 @@ def _rht_amax_bits(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out_x, out_y
 
 
+def _amax_arg(amax: torch.Tensor, device) -> torch.Tensor:
+    """A given amax as the kernels read it: one float32 on ``device``."""
+    return amax.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
+
+
 def _quantize_passes(launch, own_amax_bits, amax: Optional[torch.Tensor], device, amax_is_own: bool) -> torch.Tensor:
     """Run ``launch(amax_ptr, own_ptr, out_amax_ptr, PASS)`` as the amax mode needs; return the amax used.
 
@@ -1074,7 +1080,7 @@ def _quantize_passes(launch, own_amax_bits, amax: Optional[torch.Tensor], device
         own = own_amax_bits().view(torch.float32)
         launch(own, own, own, 0)
         return own.reshape(())
-    given = amax.detach().to(device=device, dtype=torch.float32).reshape(1).contiguous()
+    given = _amax_arg(amax, device)
     if amax_is_own:
         launch(given, given, given, 0)
         return given.reshape(())
@@ -1285,14 +1291,15 @@ def fake_quantize_dual(
     """(``fake_quantize_1x16(x, rounding, seed, amax=amax, amax_is_own=True)[0]``,
     ``fake_quantize_wgrad_operand(x, rounding_t, seed_t, amax=amax_t, amax_is_own=True)[0]``) from one
     launch that quantizes each tile of the [tokens, K] tensor x both ways (the second read of a tile
-    mostly from L2): a gradient dY quantized for dgrad and, with the RHT, for wgrad. ``amax`` and ``amax_t`` must be x's own (``wgrad_amax(x)``)."""
+    mostly from L2): a gradient dY quantized for dgrad and, with the RHT, for wgrad. ``amax`` and
+    ``amax_t`` must be x's own (``wgrad_amax(x)``)."""
     _require_triton()
     x2 = _as_rows(x, "fake_quantize_dual", rows_multiple=16)
     m, k = x2.shape
     cfg = CONFIGS["dual_quantize"]
     bd = torch.empty((m, k), dtype=torch.bfloat16, device=x2.device)
     bd_t = torch.empty((k, m), dtype=torch.bfloat16, device=x2.device)
-    given = [a.detach().to(device=x2.device, dtype=torch.float32).reshape(1).contiguous() for a in (amax, amax_t)]
+    given = [_amax_arg(a, x2.device) for a in (amax, amax_t)]
     seeds = _seed_args(rounding, seed, x2, bd)
     seeds_t = _seed_args(rounding_t, seed_t, x2, bd)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))

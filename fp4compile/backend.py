@@ -32,7 +32,7 @@ from fp4compile.passes.find_gemm_sites import (
 )
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.report import Report
-from fp4compile.sites import CompileContext, clone_dynamo_module
+from fp4compile.sites import CompileContext, clone_dynamo_module, example_tensor
 
 log = logging.getLogger("fp4compile")
 
@@ -395,13 +395,6 @@ _ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
 _EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
 
 
-def _example(node) -> Optional[torch.Tensor]:
-    if not isinstance(node, fx.Node):
-        return None
-    value = node.meta.get("example_value", node.meta.get("val"))
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def check_gemm_dtypes(gm: fx.GraphModule) -> None:
     """Raise the error eager PyTorch raises for a GEMM site whose operand dtypes it rejects.
 
@@ -426,7 +419,7 @@ def check_gemm_dtypes(gm: fx.GraphModule) -> None:
                 continue
             if node.target not in LINEAR_TARGETS and node.target not in MATMUL_TARGETS:
                 continue
-            operands = [_example(a) for a in (*node.args, *node.kwargs.values())]
+            operands = [example_tensor(a) for a in (*node.args, *node.kwargs.values())]
             operands = [t for t in operands if t is not None]
             if len(operands) < 2 or len({t.dtype for t in operands}) == 1:
                 continue

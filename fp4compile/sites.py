@@ -23,6 +23,17 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     return copy
 
 
+def example_tensor(node) -> Optional[torch.Tensor]:
+    """The example tensor a graph node carries: dynamo's ``meta["example_value"]``, else the
+    ``meta["val"]`` of aot_autograd's graphs; None for anything else."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    value = node.meta.get("example_value")
+    if value is None:
+        value = node.meta.get("val")
+    return value if isinstance(value, torch.Tensor) else None
+
+
 def example_values(args) -> tuple:
     """``args`` with each graph node replaced by its example value (``meta["val"]``): the arguments
     with which an op's fake implementation gives a new node's metadata."""

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fp4compile.sites import CompileContext, GemmSite, RoleInfo
+from fp4compile.sites import CompileContext, GemmSite, RoleInfo, example_tensor
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 MATMUL_TARGETS = (operator.matmul, torch.matmul, torch.mm)
@@ -193,10 +193,8 @@ def _reads_parameter(node, gm: fx.GraphModule, root: Optional[str]) -> Optional[
 
 
 def _shape(node) -> tuple:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    if value is None and isinstance(node, fx.Node):
-        value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor):
+    value = example_tensor(node)
+    if value is None:
         return ()
     return tuple(d if isinstance(d, int) else str(d) for d in value.shape)
 

@@ -35,7 +35,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fp4compile.sites import CompileContext, example_values
+from fp4compile.sites import CompileContext, example_tensor, example_values
 
 from .decode_for_emulation import FAKE_QUANTIZE, FAKE_RHT_QUANTIZE
 from .fuse_rht_quantize import RHT_QUANTIZE
@@ -65,12 +65,6 @@ EXTERN_WORDS = frozenset({
 })
 
 
-def _val(node) -> torch.Tensor | None:
-    """The example tensor a graph node carries (``meta["val"]``), if it is a node with one."""
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
 def separate_amax_costs_a_read(val: torch.Tensor) -> bool:
     """Whether quantizing ``val`` where it lives runs an amax pass that reads it again: a CUDA tensor
     (the Triton kernels). Elsewhere the quantizer computes its amax as part of the reference."""
@@ -79,7 +73,7 @@ def separate_amax_costs_a_read(val: torch.Tensor) -> bool:
 
 def applies(node: fx.Node) -> bool:
     """Whether the quantize ``node`` runs where a separate amax pass costs a read."""
-    val = _val(node.args[0])
+    val = example_tensor(node.args[0])
     return val is not None and separate_amax_costs_a_read(val)
 
 
@@ -95,7 +89,7 @@ def producer_is_fusible(x: fx.Node) -> bool:
     values in float32 inside a kernel and does not round them to their dtype there (a cast, a product, a
     sum), so a reduction fused into the producer of a bf16 ``x`` would see the values before their
     rounding, and its amax could differ from that of the tensor the quantizer reads."""
-    val = _val(x)
+    val = example_tensor(x)
     if val is None or val.dtype != torch.float32:
         return False
     node = _behind_views(x)

@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from fp4compile import distributed, ops
 from fp4compile.recipe import HIGH
-from fp4compile.sites import CompileContext
+from fp4compile.sites import CompileContext, example_tensor
 
 from . import fuse_amax
 from .insert_quantize import operand_seed_and_label
@@ -56,8 +56,8 @@ def _share_amax(ctx: CompileContext, site, x: fx.Node) -> Optional[int]:
         return None
     if distributed.group_key(site.name, "X") is not None:
         return None
-    val = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, fx.Node) else None
-    if not isinstance(val, torch.Tensor) or val.dim() < 2 or not fuse_amax.separate_amax_costs_a_read(val):
+    val = example_tensor(x)
+    if val is None or val.dim() < 2 or not fuse_amax.separate_amax_costs_a_read(val):
         return None
     tokens = 1
     for d in val.shape[:-1]:
