@@ -618,12 +618,14 @@ if triton is not None:
         return tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
 
     @_jit()
-    def _rht_tile(x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _rht_tile(
+        x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr = True,
+    ):
         """RHT along tokens of the [BLOCK_M tokens, BLOCK_K] tile at (pid_m, pid_k).
 
         Returns (y_0 .. y_15, bits of the tile's abs max of x, chunk indices, column indices), where
         y_j[c, k] = RHT(x^T)[k, 16 c + j], [BLOCK_M/16, BLOCK_K] fp32 holding values rounded to x's dtype,
-        as ``formats.rht`` returns it.
+        as ``formats.rht`` returns it; without ROUND, the fp32 values before that rounding.
         """
         chunks = pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
         cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -683,6 +685,8 @@ if triton is not None:
         x12, x13 = _bfly(x12, x13)
         x14, x15 = _bfly(x14, x15)
         dt: tl.constexpr = x_ptr.dtype.element_ty
+        if not ROUND:
+            return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x_amax, chunks, cols
         return (
             _round_to(x0, dt), _round_to(x1, dt), _round_to(x2, dt), _round_to(x3, dt),
             _round_to(x4, dt), _round_to(x5, dt), _round_to(x6, dt), _round_to(x7, dt),
@@ -696,19 +700,23 @@ if triton is not None:
         x_ptr, amax_x_ptr, amax_y_ptr, M, K, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr,
     ):
-        """Atomic max of |x| and |RHT(x^T)| bits; each program takes ITERS tiles along K."""
+        """Atomic max of |x| and |RHT(x^T)| bits; each program takes ITERS tiles along K.
+
+        The RHT values are rounded to x's dtype once, at the end: rounding to nearest is monotone and
+        symmetric, so the largest rounded |y| is the rounded largest |y| (NaN stays NaN)."""
         pid_m = tl.program_id(0)
         x_amax = tl.zeros((), tl.int32)
         y_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.int32)
         for i in range(ITERS):
             y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, tile_x_amax, _, _ = _rht_tile(
-                x_ptr, M, K, stride_xm, pid_m, tl.program_id(1) * ITERS + i, BLOCK_M, BLOCK_K
+                x_ptr, M, K, stride_xm, pid_m, tl.program_id(1) * ITERS + i, BLOCK_M, BLOCK_K, False
             )
             x_amax = tl.maximum(x_amax, tile_x_amax)
             ym = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
             y_acc = tl.maximum(y_acc, ym)
         tl.atomic_max(amax_x_ptr, x_amax)
-        tl.atomic_max(amax_y_ptr, tl.max(tl.max(y_acc, axis=1), axis=0))
+        y_max = tl.max(tl.max(y_acc, axis=1), axis=0).to(tl.float32, bitcast=True)
+        tl.atomic_max(amax_y_ptr, _round_to(y_max, x_ptr.dtype.element_ty).to(tl.int32, bitcast=True))
 
     @_jit()
     def _rht_code(y, factor, keep, rand, sf, SR: tl.constexpr, FAKE: tl.constexpr, MX: tl.constexpr):
@@ -1037,14 +1045,22 @@ def _scales_buffer(rows: int, cols: int, swizzle: bool, device) -> torch.Tensor:
     return torch.empty((rows, cols), dtype=torch.uint8, device=device)
 
 
+_AMAX_PROGRAMS = 1024
+
+
 def _amax_bits(x2: torch.Tensor) -> torch.Tensor:
     """int32 [1] holding the bits of max |x| (viewed as float32 it is the amax)."""
     cfg = CONFIGS["amax"]
     out = torch.zeros(1, dtype=torch.int32, device=x2.device)
     flat = x2 if x2.is_contiguous() else x2.contiguous()
     n = flat.numel()
-    grid = (triton.cdiv(n, cfg["BLOCK"] * cfg["ITERS"]),)
-    _amax_kernel[grid](flat, out, n, BLOCK=cfg["BLOCK"], ITERS=cfg["ITERS"], **_launch_options(cfg))
+    iters = cfg["ITERS"]
+    # Fewer tiles per program where the tensor is small (a weight): at least _AMAX_PROGRAMS programs, so
+    # every SM has several to overlap the loads of, instead of a fraction of the GPU each reading serially.
+    while iters > 1 and triton.cdiv(n, cfg["BLOCK"] * iters) < _AMAX_PROGRAMS:
+        iters //= 2
+    grid = (triton.cdiv(n, cfg["BLOCK"] * iters),)
+    _amax_kernel[grid](flat, out, n, BLOCK=cfg["BLOCK"], ITERS=iters, **_launch_options(cfg))
     return out
 
 
