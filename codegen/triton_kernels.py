@@ -269,14 +269,15 @@ if triton is not None:
         Integer arithmetic on a fixed-point m = min(|v|, 6) in which every grid step is 2**22: from 1 up,
         m's own bits less 252 * 2**22 (the mantissa's top bit is the grid bit, the 22 below it are
         frac * 2**22 exactly, and 1.0 lands on index 2); below 1, ceil(m * 2**23) (step 0.5). Adding
-        2**22 - 1 - rand * 2**6 carries into the index exactly when rand * 2**6 < frac * 2**22, that is
-        when u = rand * 2**-16 < frac; below 1 the ceiling keeps that comparison exact (rand * 2**6 is
-        an integer). The index is the sum's bits from 22 up.
+        2**22 - 1 - rand * 2**6 (the constant folded into each side's offset) carries into the index
+        exactly when rand * 2**6 < frac * 2**22, that is when u = rand * 2**-16 < frac; below 1 the
+        ceiling keeps that comparison exact (rand * 2**6 is an integer). The index is the sum's bits
+        from 22 up.
         """
         m, bits, _, sign = _grid_position(v)
         normal = m >= 1.0
-        below = tl.math.ceil(tl.where(normal, 0.0, m) * 8388608.0).to(tl.uint32)  # a NaN m: normal is False
-        total = tl.where(normal, bits - 0x3F000000, below) + ((rand << 6) ^ 0x3FFFFF)
+        below = tl.math.ceil(m * 8388608.0).to(tl.uint32)  # at most 6 * 2**23: computed for every m, kept below 1
+        total = tl.where(normal, bits - (0x3F000000 - 0x3FFFFF), below + 0x3FFFFF) - rand * 64
         idx = total >> 22
         value_bits = tl.where(idx >= 2, (total & 0xFFC00000) + 0x3F000000, idx * 0x3F000000)
         return idx | sign, (value_bits | (sign << 28)).to(tl.float32, bitcast=True)
