@@ -20,6 +20,7 @@ itself enqueues one GEMM on the current stream and is safe to record in a CUDA g
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -40,7 +41,10 @@ _OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 _lock = threading.Lock()
 _state: dict = {}  # "lt": the bindings module or an import error; per device index: (handle, zero) or the failure
-_plans: dict = {}
+# (device index, problem) -> plan or Unsupported, least recently used first. Bounded: under dynamic shapes
+# every new token count is a new problem; the oldest plans' descriptors are destroyed past the bound.
+_plans: "collections.OrderedDict" = collections.OrderedDict()
+MAX_PLANS = 512
 
 
 def _bindings():
@@ -295,27 +299,49 @@ def mm_alpha(
     with torch.cuda.device(index):  # the heuristic and the launch use the operands' device
         handle, zero = _device_state(index)
         key = (m, n, k, b_row_major, ldb, a_row_major, lda, out_dtype, aligns)
-        plan = _plans.get((index, key))
-        if plan is None:
-            with _lock:
-                plan = _plans.get((index, key))
-                if plan is None:
-                    try:
-                        plan = _plan(key, handle)
-                    except Unsupported as err:
-                        plan = err  # kept: the same problem falls back at once next time
-                    _plans[(index, key)] = plan
-        if isinstance(plan, Exception):
-            raise plan
-        lt = _bindings()
-        layout_b, layout_a, layout_d = plan["layouts"]
-        # A workspace per call, from the caching allocator on this stream: concurrent GEMMs on other
-        # streams never share it, and inside a CUDA graph it is one of the graph's temporaries.
-        ws_bytes = int(plan["results"]["workspace_size"][0])
-        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=a.device) if ws_bytes else None
-        lt.matmul(
-            handle, plan["desc"], alpha.data_ptr(), b.data_ptr(), layout_b, a.data_ptr(), layout_a, zero,
-            out.data_ptr(), layout_d, out.data_ptr(), layout_d, plan["results"].ctypes.data,
-            workspace.data_ptr() if ws_bytes else 0, ws_bytes, torch.cuda.current_stream(a.device).cuda_stream,
-        )
+        # The lock also covers the launch: no other thread can destroy this plan's descriptors (an
+        # eviction) while cuBLASLt reads them.
+        with _lock:
+            plan = _cached_plan(index, key, handle)
+            if isinstance(plan, Exception):
+                raise plan
+            lt = _bindings()
+            layout_b, layout_a, layout_d = plan["layouts"]
+            # A workspace per call, from the caching allocator on this stream: concurrent GEMMs on other
+            # streams never share it, and inside a CUDA graph it is one of the graph's temporaries.
+            ws_bytes = int(plan["results"]["workspace_size"][0])
+            workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=a.device) if ws_bytes else None
+            lt.matmul(
+                handle, plan["desc"], alpha.data_ptr(), b.data_ptr(), layout_b, a.data_ptr(), layout_a, zero,
+                out.data_ptr(), layout_d, out.data_ptr(), layout_d, plan["results"].ctypes.data,
+                workspace.data_ptr() if ws_bytes else 0, ws_bytes, torch.cuda.current_stream(a.device).cuda_stream,
+            )
     return out
+
+
+def _cached_plan(index, key, handle):
+    """The plan (or the Unsupported error, kept so the same problem falls back at once next time) of
+    ``key`` on device ``index``, made on first use; the least recently used past ``MAX_PLANS`` are
+    destroyed. Called with ``_lock`` held."""
+    plan = _plans.get((index, key))
+    if plan is not None:
+        _plans.move_to_end((index, key))
+        return plan
+    try:
+        plan = _plan(key, handle)
+    except Unsupported as err:
+        plan = err
+    _plans[(index, key)] = plan
+    while len(_plans) > MAX_PLANS:
+        _destroy(_plans.popitem(last=False)[1])
+    return plan
+
+
+def _destroy(plan) -> None:
+    """Free a plan's cuBLASLt descriptors (an Unsupported entry holds none)."""
+    if isinstance(plan, Exception):
+        return
+    lt = _bindings()
+    for layout in plan["layouts"]:
+        lt.matrix_layout_destroy(layout)
+    lt.matmul_desc_destroy(plan["desc"])

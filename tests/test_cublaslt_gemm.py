@@ -7,6 +7,8 @@ GPU and nvmath-python (tests marked ``gpu``).
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -229,6 +231,41 @@ def test_empty_sum_keeps_a_non_finite_alpha_visible():
     assert cl.mm_alpha(a, b, torch.full((1,), float("inf"), device="cuda")).isnan().all()
 
 
+def test_plan_cache_is_bounded_least_recently_used_first(monkeypatch):
+    """Dynamic shapes make a new GEMM problem per token count: past MAX_PLANS the least recently used
+    plan goes, its descriptors destroyed; a refusal (kept so the problem falls back at once) holds none."""
+    destroyed, made = [], []
+
+    class Bindings:
+        def matrix_layout_destroy(self, layout):
+            destroyed.append(layout)
+
+        def matmul_desc_destroy(self, desc):
+            destroyed.append(desc)
+
+    def plan(key, handle):
+        made.append(key)
+        if key == "refused":
+            raise cl.Unsupported("refused for the test")
+        return {"desc": f"desc{key}", "layouts": (f"b{key}", f"a{key}", f"d{key}")}
+
+    monkeypatch.setattr(cl, "_plan", plan)
+    monkeypatch.setattr(cl, "_bindings", Bindings)
+    monkeypatch.setattr(cl, "_plans", collections.OrderedDict())
+    monkeypatch.setattr(cl, "MAX_PLANS", 2)
+    first = cl._cached_plan(0, 1, None)
+    cl._cached_plan(0, 2, None)
+    assert cl._cached_plan(0, 1, None) is first  # a hit: 1 is now the most recent
+    cl._cached_plan(0, 3, None)
+    assert list(cl._plans) == [(0, 1), (0, 3)] and destroyed == ["b2", "a2", "d2", "desc2"]
+    assert isinstance(cl._cached_plan(1, "refused", None), cl.Unsupported)  # evicts 1
+    cl._cached_plan(0, 4, None)  # evicts 3
+    cl._cached_plan(0, 5, None)  # evicts the refusal: nothing to destroy
+    assert list(cl._plans) == [(0, 4), (0, 5)]
+    assert destroyed == [f"{part}{key}" for key in (2, 1, 3) for part in ("b", "a", "d", "desc")]
+    assert made == [1, 2, 3, "refused", 4, 5]
+
+
 @pytest.mark.gpu
 @needs_lt
 def test_a_problem_cublaslt_refuses_falls_back_or_raises(monkeypatch, caplog):
@@ -243,7 +280,7 @@ def test_a_problem_cublaslt_refuses_falls_back_or_raises(monkeypatch, caplog):
         raise cl.Unsupported("refused for the test")
 
     monkeypatch.setattr(cl, "_plan", refuse)
-    monkeypatch.setattr(cl, "_plans", {})
+    monkeypatch.setattr(cl, "_plans", collections.OrderedDict())
     a, b = exact_operands(256, 128, 64, seed=9, device="cuda")
     amax_a, amax_b = torch.tensor(3.0e-3, device="cuda"), torch.tensor(7.77e2, device="cuda")
     expect = expected(a.cpu(), b.cpu(), formats.gemm_alpha(amax_a.cpu(), amax_b.cpu()), torch.bfloat16)
