@@ -13,7 +13,9 @@ as graph nodes fused by Inductor into the consumer (a multiply and the bias add 
 bits changed.
 An operand whose packed form something else also reads (the weight quantized once for fprop and dgrad
 and kept for the backward, its transposed form, a sharded-amax quantization) is decoded by
-``fp4.decode_blocks`` instead (one pass over the packed codes).
+``fp4.decode_blocks`` instead (one pass over the packed codes); dgrad's W^T, the
+``fp4.transpose_quantized`` of the kept weight, is W decoded as stored and read transposed (an
+``aten.t`` view), so the packed transpose no longer runs.
 CUTLASS GEMMs (Blackwell), MXFP4, batched GEMMs and CPU graphs keep ``scaled_mm``.
 """
 
@@ -34,6 +36,8 @@ FAKE_QUANTIZE = torch.ops.fp4.fake_quantize.default
 FAKE_RHT_QUANTIZE = torch.ops.fp4.fake_rht_quantize.default
 EMULATED_MM = torch.ops.fp4.emulated_mm.default
 DECODE_BLOCKS = torch.ops.fp4.decode_blocks.default
+TRANSPOSE_QUANTIZED = torch.ops.fp4.transpose_quantized.default
+TRANSPOSE = torch.ops.aten.t.default
 
 
 def applies(mm: fx.Node) -> bool:
@@ -57,6 +61,16 @@ def _quantize_of(mm: fx.Node, triple) -> "fx.Node | None":
     return q
 
 
+def _transposed_from(codes: fx.Node, scales: fx.Node) -> "tuple[fx.Node, fx.Node] | None":
+    """(codes, scales) of W where ``codes, scales`` are ``fp4.transpose_quantized(W's codes, scales)``."""
+    if not all(isinstance(t, fx.Node) and t.target is operator.getitem for t in (codes, scales)):
+        return None
+    t = codes.args[0]
+    if not isinstance(t, fx.Node) or t.target is not TRANSPOSE_QUANTIZED or (codes.args, scales.args) != ((t, 0), (t, 1)):
+        return None
+    return t.args[0], t.args[1]
+
+
 def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if not ctx.recipe.decoded_operands:
         return gm
@@ -73,9 +87,15 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         operands = []
         for q, (codes, scales, amax) in zip(sources, ((a, sa, amax_a), (b, sb, amax_b))):
             if q is None:
+                transposed = _transposed_from(codes, scales)
                 with gm.graph.inserting_before(mm):
-                    bd = gm.graph.call_function(DECODE_BLOCKS, (codes, scales))
-                bd.meta["val"] = DECODE_BLOCKS(codes.meta["val"], scales.meta["val"])
+                    bd = gm.graph.call_function(DECODE_BLOCKS, transposed or (codes, scales))
+                    bd.meta["val"] = DECODE_BLOCKS(*(t.meta["val"] for t in bd.args))
+                    if transposed:
+                        # W decoded as stored, read transposed by the GEMM (a view: cuBLASLt takes either
+                        # layout), instead of transposing the packed tiles first.
+                        bd = gm.graph.call_function(TRANSPOSE, (bd,))
+                        bd.meta["val"] = TRANSPOSE(bd.args[0].meta["val"])
                 operands.append((bd, amax))
                 continue
             target = FAKE_RHT_QUANTIZE if q.target is RHT_QUANTIZE else FAKE_QUANTIZE
@@ -100,6 +120,12 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
                 gm.graph.erase_node(item)
             gm.graph.erase_node(q)
         replaced += 1
+    for t in [n for n in gm.graph.nodes if n.target is TRANSPOSE_QUANTIZED]:
+        # A packed transpose no GEMM reads any more (its getitems unused): removed with them.
+        if all(not item.users for item in t.users):
+            for item in list(t.users):
+                gm.graph.erase_node(item)
+            gm.graph.erase_node(t)
     gm.graph.lint()
     gm.recompile()
     ctx.note(f"graph {ctx.graph_id}: {replaced} emulated GEMMs read decoded operands")
