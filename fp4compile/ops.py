@@ -59,7 +59,8 @@ def gemm(
     Operands arrive as the model holds them (e.g. fp32 master weights under BF16 autocast), so that
     quantization reads the full-precision tensor. ``b_codes, b_scales, b_amax``, where given, are b's
     NVFP4 16x16-tile quantization made once for fprop and dgrad (``linear(..., share_weight=...)``):
-    ``insert_quantize`` uses it instead of quantizing b again. ``x_amax``, where given, is the global
+    ``insert_quantize`` uses it instead of quantizing b again (for dgrad, whose b is W^T, they are W's
+    codes and scales as the forward made them, and ``insert_quantize`` transposes them). ``x_amax``, where given, is the global
     amax of the activation operand as its NVFP4 quantizer sees it: max |X| for fprop's a, max |RHT(X^T)|
     for wgrad's b (``linear(..., share_amax=...)``); ``insert_quantize`` hands it to that quantizer.
     Before the passes lower it, the op computes the high-precision product and ignores both.
@@ -514,8 +515,10 @@ class _LinearFunction(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            wq_t = [*torch.ops.fp4.transpose_quantized(wq[0], wq[1]), wq[2]] if wq else []
-            dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype, *wq_t)
+            # The forward's quantization of W as it is: insert_quantize transposes it for dgrad in the
+            # backward graph, where decode_for_emulation can read it decoded and transposed instead (done
+            # here, the partitioner would move the transpose into the forward and save its result).
+            dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype, *wq)
             dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             dw = torch.ops.fp4.gemm(dy2.t(), x2.t(), "wgrad", ctx.site, ctx.dtype, None, None, None, x_rht_amax)

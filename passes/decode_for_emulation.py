@@ -15,7 +15,7 @@ An operand whose packed form something else also reads (the weight quantized onc
 and kept for the backward, its transposed form, a sharded-amax quantization) is decoded by
 ``fp4.decode_blocks`` instead (one pass over the packed codes); dgrad's W^T, the
 ``fp4.transpose_quantized`` of the kept weight, is W decoded as stored and read transposed (an
-``aten.t`` view), so the packed transpose no longer runs.
+``aten.permute`` view), so the packed transpose no longer runs.
 CUTLASS GEMMs (Blackwell), MXFP4, batched GEMMs and CPU graphs keep ``scaled_mm``.
 """
 
@@ -37,7 +37,7 @@ FAKE_RHT_QUANTIZE = torch.ops.fp4.fake_rht_quantize.default
 EMULATED_MM = torch.ops.fp4.emulated_mm.default
 DECODE_BLOCKS = torch.ops.fp4.decode_blocks.default
 TRANSPOSE_QUANTIZED = torch.ops.fp4.transpose_quantized.default
-TRANSPOSE = torch.ops.aten.t.default
+TRANSPOSE = torch.ops.aten.permute.default  # [1, 0]: what aot_autograd graphs hold (Inductor lowers no aten.t)
 
 
 def applies(mm: fx.Node) -> bool:
@@ -94,8 +94,8 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
                     if transposed:
                         # W decoded as stored, read transposed by the GEMM (a view: cuBLASLt takes either
                         # layout), instead of transposing the packed tiles first.
-                        bd = gm.graph.call_function(TRANSPOSE, (bd,))
-                        bd.meta["val"] = TRANSPOSE(bd.args[0].meta["val"])
+                        bd = gm.graph.call_function(TRANSPOSE, (bd, [1, 0]))
+                        bd.meta["val"] = TRANSPOSE(bd.args[0].meta["val"], [1, 0])
                 operands.append((bd, amax))
                 continue
             target = FAKE_RHT_QUANTIZE if q.target is RHT_QUANTIZE else FAKE_QUANTIZE

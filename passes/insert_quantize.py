@@ -8,11 +8,12 @@ to (recipe seed, site name, role, operand). With ``Recipe(check_finite=True)`` e
 layer, GEMM role and operand for the non-finite error. An operand declared sharded across a process
 group (``fp4compile.distributed``) is quantized by ``fp4.quantize_sharded``, with the global amax
 all-reduced (MAX) over that group, so each rank's shard gets the codes and scales of the full tensor.
-A weight quantized once for fprop and dgrad (``fp4.gemm`` given ``b_codes, b_scales, b_amax``: in the
-forward the ``fp4.quantize`` of W, in the backward its ``fp4.transpose_quantized``) is dequantized from
-those nodes instead of quantized again, where the plan is NVFP4 16x16 tiles; the extra arguments are
-dropped from the GEMM either way. The shared quantization's source node gets the ``fp4_quantize``
-metadata, with ``shared="fprop+dgrad"``. A GEMM given ``x_amax`` (``linear(..., share_amax=...)``)
+A weight quantized once for fprop and dgrad (``fp4.gemm`` given ``b_codes, b_scales, b_amax``: the
+``fp4.quantize`` of W in the forward, what the forward kept of it in the backward) is dequantized from
+those nodes instead of quantized again, where the plan is NVFP4 16x16 tiles, dgrad's through an
+``fp4.transpose_quantized`` inserted here, in the backward graph; the extra arguments are dropped from
+the GEMM either way. The shared quantization's source node (the quantize, or the transpose) gets the
+``fp4_quantize`` metadata, with ``shared="fprop+dgrad"``. A GEMM given ``x_amax`` (``linear(..., share_amax=...)``)
 hands it to the quantizer of X in fprop and of RHT(X^T) in wgrad (NVFP4 1x16, RHT planned, amax not
 sharded) as their ``amax`` argument, recorded in their metadata (``amax``); it is dropped otherwise.
 """
@@ -34,6 +35,7 @@ from .plan_gemm_roles import gemm_nodes
 QUANTIZE = torch.ops.fp4.quantize.default
 QUANTIZE_SHARDED = torch.ops.fp4.quantize_sharded.default
 DEQUANTIZE = torch.ops.fp4.dequantize.default
+TRANSPOSE_QUANTIZED = torch.ops.fp4.transpose_quantized.default
 
 OPERAND_NAMES = {"fprop": ("X", "W"), "dgrad": ("dY", "W^T"), "wgrad": ("dY^T", "X^T")}
 # The model tensor each operand is made of (what ``fp4compile.distributed`` declares sharded).
@@ -57,6 +59,19 @@ def _dequantize(gm: fx.GraphModule, node: fx.Node, parts: list, fmt: str, block:
         dq = gm.graph.call_function(DEQUANTIZE, (*parts, fmt, block, torch.float32))
     dq.meta["val"] = DEQUANTIZE(*(p.meta["val"] for p in parts), fmt, block, torch.float32)
     return dq
+
+
+def _transposed(gm: fx.GraphModule, node: fx.Node, shared: list) -> tuple[fx.Node, list]:
+    """(the ``fp4.transpose_quantized`` node, [codes, scales, amax] of W^T) for dgrad's shared weight
+    ``shared`` (W's codes, scales, amax as the forward made them), inserted before ``node``."""
+    with gm.graph.inserting_before(node):
+        t = gm.graph.call_function(TRANSPOSE_QUANTIZED, (shared[0], shared[1]))
+        parts = [gm.graph.call_function(operator.getitem, (t, j)) for j in (0, 1)]
+    vals = TRANSPOSE_QUANTIZED(*example_values((shared[0], shared[1])))
+    t.meta["val"] = vals
+    for j, p in enumerate(parts):
+        p.meta["val"] = vals[j]
+    return t, [*parts, shared[2]]
 
 
 def _given_x_amax(info, i: int, x_amax, group) -> Optional[fx.Node]:
@@ -96,8 +111,11 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 args = (*args, given)
                 meta["amax"] = "wgrad_amax" if info.role == "fprop" else "wgrad_amax in the forward"
             if i == 1 and len(shared) == 3 and (info.precision, block, rounding) == ("nvfp4", "16x16", "rne"):
-                new_args[i] = _dequantize(gm, node, shared, info.precision, block)
-                source = shared[0].args[0] if shared[0].target is operator.getitem else shared[0]
+                if info.role == "dgrad":
+                    source, parts = _transposed(gm, node, shared)
+                else:
+                    source, parts = (shared[0].args[0] if shared[0].target is operator.getitem else shared[0]), shared
+                new_args[i] = _dequantize(gm, node, parts, info.precision, block)
                 source.meta["fp4_quantize"] = dict(meta, amax_group=None, shared="fprop+dgrad")
                 inserted += 1
                 continue
