@@ -60,9 +60,10 @@ def gemm(
     quantization reads the full-precision tensor. ``b_codes, b_scales, b_amax``, where given, are b's
     NVFP4 16x16-tile quantization made once for fprop and dgrad (``linear(..., share_weight=...)``):
     ``insert_quantize`` uses it instead of quantizing b again (for dgrad, whose b is W^T, they are W's
-    codes and scales as the forward made them, and ``insert_quantize`` transposes them). ``x_amax``, where given, is the global
-    amax of the activation operand as its NVFP4 quantizer sees it: max |X| for fprop's a, max |RHT(X^T)|
-    for wgrad's b (``linear(..., share_amax=...)``); ``insert_quantize`` hands it to that quantizer.
+    codes and scales as the forward made them, and ``insert_quantize`` transposes them). ``x_amax``,
+    where given, is the global amax of the activation operand as its NVFP4 quantizer sees it: max |X|
+    for fprop's a, max |RHT(X^T)| for wgrad's b (``linear(..., share_amax=...)``); ``insert_quantize``
+    hands it to that quantizer.
     Before the passes lower it, the op computes the high-precision product and ignores both.
     """
     return a.to(dtype) @ b.to(dtype).transpose(-2, -1)

@@ -66,7 +66,9 @@ def _transposed_from(codes: fx.Node, scales: fx.Node) -> "tuple[fx.Node, fx.Node
     if not all(isinstance(t, fx.Node) and t.target is operator.getitem for t in (codes, scales)):
         return None
     t = codes.args[0]
-    if not isinstance(t, fx.Node) or t.target is not TRANSPOSE_QUANTIZED or (codes.args, scales.args) != ((t, 0), (t, 1)):
+    if not isinstance(t, fx.Node) or t.target is not TRANSPOSE_QUANTIZED:
+        return None
+    if (codes.args, scales.args) != ((t, 0), (t, 1)):
         return None
     return t.args[0], t.args[1]
 

@@ -596,7 +596,8 @@ def test_weight_quantized_once_for_fprop_and_dgrad(marked, monkeypatch, decoded)
         assert len(role_nodes(forward, F4.decode_blocks.default)) == 4
         decodes = role_nodes(backward, F4.decode_blocks.default)
         assert len(decodes) == 4 and all(d.args[0].op == "placeholder" for d in decodes)
-        assert all([(u.target, u.args[1]) for u in d.users] == [(torch.ops.aten.permute.default, [1, 0])] for d in decodes)
+        permute = (torch.ops.aten.permute.default, [1, 0])
+        assert all([(u.target, u.args[1]) for u in d.users] == [permute] for d in decodes)
         assert len(role_nodes(forward, F4.emulated_mm.default)) == 4 and len(role_nodes(backward, F4.emulated_mm.default)) == 8
     else:
         assert len(transposes) == 4 and all(n.args[0].op == "placeholder" for n in transposes)
