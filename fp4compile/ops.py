@@ -291,7 +291,10 @@ def fake_dual_quantize(
     kernel = runtime.fake_dual_quantize_kernel(x, size, fmt)
     if kernel is None:
         rows = torch.ops.fp4.fake_quantize.default(x, fmt, "1x16", rounding, seed, check, amax)[0]
-        return rows, torch.ops.fp4.fake_rht_quantize.default(x.t(), size, fmt, "1x16", rounding_t, seed_t, check_t, amax_t)[0]
+        transformed = torch.ops.fp4.fake_rht_quantize.default(
+            x.t(), size, fmt, "1x16", rounding_t, seed_t, check_t, amax_t
+        )[0]
+        return rows, transformed
     _given_amax(amax, fmt, x, "fp4.fake_dual_quantize")
     _given_amax(amax_t, fmt, x, "fp4.fake_dual_quantize")
     rows, transformed = kernel(

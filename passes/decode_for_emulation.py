@@ -46,14 +46,20 @@ def applies(mm: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.device.type == "cuda"
 
 
+def _unpacked(items) -> "fx.Node | None":
+    """The node whose outputs 0, 1, ... are ``items`` (getitem nodes, in that order), else None."""
+    if not all(isinstance(t, fx.Node) and t.target is operator.getitem for t in items):
+        return None
+    source = items[0].args[0]
+    if [t.args for t in items] != [(source, j) for j in range(len(items))]:
+        return None
+    return source if isinstance(source, fx.Node) else None
+
+
 def _quantize_of(mm: fx.Node, triple) -> "fx.Node | None":
     """The quantize node whose (codes, scales, amax) are ``triple``, if ``mm`` is its only consumer."""
-    if not all(isinstance(t, fx.Node) and t.target is operator.getitem for t in triple):
-        return None
-    q = triple[0].args[0]
-    if not isinstance(q, fx.Node) or q.target not in (QUANTIZE, RHT_QUANTIZE):
-        return None
-    if [t.args for t in triple] != [(q, 0), (q, 1), (q, 2)]:
+    q = _unpacked(triple)
+    if q is None or q.target not in (QUANTIZE, RHT_QUANTIZE):
         return None
     for item in q.users:
         if item.target is not operator.getitem or any(u is not mm for u in item.users):
@@ -63,14 +69,17 @@ def _quantize_of(mm: fx.Node, triple) -> "fx.Node | None":
 
 def _transposed_from(codes: fx.Node, scales: fx.Node) -> "tuple[fx.Node, fx.Node] | None":
     """(codes, scales) of W where ``codes, scales`` are ``fp4.transpose_quantized(W's codes, scales)``."""
-    if not all(isinstance(t, fx.Node) and t.target is operator.getitem for t in (codes, scales)):
-        return None
-    t = codes.args[0]
-    if not isinstance(t, fx.Node) or t.target is not TRANSPOSE_QUANTIZED:
-        return None
-    if (codes.args, scales.args) != ((t, 0), (t, 1)):
+    t = _unpacked((codes, scales))
+    if t is None or t.target is not TRANSPOSE_QUANTIZED:
         return None
     return t.args[0], t.args[1]
+
+
+def _erase_with_items(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Erase a multi-output node and the getitem nodes that unpack it (none of them read any more)."""
+    for item in list(node.users):
+        gm.graph.erase_node(item)
+    gm.graph.erase_node(node)
 
 
 def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -92,12 +101,12 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
                 transposed = _transposed_from(codes, scales)
                 with gm.graph.inserting_before(mm):
                     bd = gm.graph.call_function(DECODE_BLOCKS, transposed or (codes, scales))
-                    bd.meta["val"] = DECODE_BLOCKS(*(t.meta["val"] for t in bd.args))
+                    bd.meta["val"] = DECODE_BLOCKS(*example_values(bd.args))
                     if transposed:
                         # W decoded as stored, read transposed by the GEMM (a view: cuBLASLt takes either
                         # layout), instead of transposing the packed tiles first.
                         bd = gm.graph.call_function(TRANSPOSE, (bd, [1, 0]))
-                        bd.meta["val"] = TRANSPOSE(bd.args[0].meta["val"], [1, 0])
+                        bd.meta["val"] = TRANSPOSE(*example_values(bd.args))
                 operands.append((bd, amax))
                 continue
             target = FAKE_RHT_QUANTIZE if q.target is RHT_QUANTIZE else FAKE_QUANTIZE
@@ -118,16 +127,11 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         mm.replace_all_uses_with(new)
         gm.graph.erase_node(mm)
         for q in (q for q in sources if q is not None):
-            for item in list(q.users):
-                gm.graph.erase_node(item)
-            gm.graph.erase_node(q)
+            _erase_with_items(gm, q)
         replaced += 1
     for t in [n for n in gm.graph.nodes if n.target is TRANSPOSE_QUANTIZED]:
-        # A packed transpose no GEMM reads any more (its getitems unused): removed with them.
-        if all(not item.users for item in t.users):
-            for item in list(t.users):
-                gm.graph.erase_node(item)
-            gm.graph.erase_node(t)
+        if all(not item.users for item in t.users):  # a packed transpose no GEMM reads any more
+            _erase_with_items(gm, t)
     gm.graph.lint()
     gm.recompile()
     ctx.note(f"graph {ctx.graph_id}: {replaced} emulated GEMMs read decoded operands")
