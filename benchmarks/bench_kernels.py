@@ -33,9 +33,13 @@ FLT_MAX = torch.finfo(torch.float32).max
 # Launch configurations tried per kernel (the first is the module's default).
 SWEEPS = {
     "quantize_rows": [dict(BLOCK_M=32, BLOCK_K=256, num_warps=8), dict(BLOCK_M=64, BLOCK_K=256, num_warps=8)],
+    "fake_rows": [
+        dict(BLOCK_M=16, BLOCK_K=256, num_warps=8, K_FIRST=True), dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
+        dict(BLOCK_M=32, BLOCK_K=128, num_warps=8, K_FIRST=True),
+    ],
     "rht_amax": [
-        dict(BLOCK_M=128, BLOCK_K=64, ITERS=4, num_warps=4), dict(BLOCK_M=64, BLOCK_K=128, ITERS=4, num_warps=4),
-        dict(BLOCK_M=128, BLOCK_K=128, ITERS=2, num_warps=8),
+        dict(BLOCK_M=32, BLOCK_K=128, ITERS=4, num_warps=2, K_FIRST=True), dict(BLOCK_M=128, BLOCK_K=64, ITERS=4, num_warps=4),
+        dict(BLOCK_M=64, BLOCK_K=128, ITERS=4, num_warps=4, K_FIRST=True),
     ],
     "rht_quantize": [
         dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=128, BLOCK_K=64, num_warps=4),
@@ -43,8 +47,8 @@ SWEEPS = {
         dict(BLOCK_M=128, BLOCK_K=128, num_warps=8),
     ],
     "dual_quantize": [
-        dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=64, BLOCK_K=128, num_warps=4),
-        dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
+        dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, K_FIRST=True), dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
+        dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, K_FIRST=True),
     ],
     "rht_quantize_mx": [
         dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
@@ -123,7 +127,7 @@ def cases(n: int) -> list[Case]:
             "device seed: wgrad rht+sr", lambda s: tk.quantize_wgrad_operand(s["x"], "sr", device_seed(s["x"])),
             quant, "rht_quantize", "2 passes",
         ),
-        Case("fake_quantize_1x16 rne", lambda s: tk.fake_quantize_1x16(s["x"]), fake, "quantize_rows", "2 passes"),
+        Case("fake_quantize_1x16 rne", lambda s: tk.fake_quantize_1x16(s["x"]), fake, "fake_rows", "2 passes"),
         Case(
             "fake_quantize_wgrad sr", lambda s: tk.fake_quantize_wgrad_operand(s["x"], "sr", SEED), fake,
             "rht_quantize", "2 passes",
@@ -131,7 +135,7 @@ def cases(n: int) -> list[Case]:
         Case(
             "fake_quantize_1x16 sr, own amax",
             lambda s: tk.fake_quantize_1x16(s["x"], "sr", SEED, amax=s["amax"], amax_is_own=True), fake,
-            "quantize_rows", "1 pass",
+            "fake_rows", "1 pass",
         ),
         Case(
             "fake_quantize_wgrad sr, own amax",

@@ -44,37 +44,42 @@ QUANT_ARGS = {
 def kernel_specs(tk):
     """name -> (jit function, signature, constexprs, config key, elements per loop iteration of a program)."""
     rows = dict(QUANT_ARGS, TILE_ROWS="constexpr", SR="constexpr", SWIZZLE="constexpr", FAKE="constexpr",
-                PASS="constexpr", MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr")
+                PASS="constexpr", MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr", K_FIRST="constexpr")
     rht = dict(QUANT_ARGS, SR="constexpr", SWIZZLE="constexpr", FAKE="constexpr", PASS="constexpr",
-               MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr")
+               MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr", K_FIRST="constexpr")
     amax = {"x_ptr": "*bf16", "amax_x_ptr": "*i32", "amax_y_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
-            "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "ITERS": "constexpr"}
+            "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "ITERS": "constexpr", "K_FIRST": "constexpr"}
+    k_first = lambda key: int(bool(tk.CONFIGS[key].get("K_FIRST")))  # noqa: E731
     specs = {}
     for sr, name in ((0, "rne"), (1, "sr")):
         cfg = tk.CONFIGS["quantize_rows"]
         specs[f"rows_{name}"] = (tk._quantize_rows_kernel, rows, dict(
-            TILE_ROWS=1, SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"]),
-            "quantize_rows")
+            TILE_ROWS=1, SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+            K_FIRST=k_first("quantize_rows")), "quantize_rows")
         cfg = tk.CONFIGS["rht_quantize"]
         specs[f"rht_{name}"] = (tk._rht_quantize_kernel, rht, dict(
-            SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"]), "rht_quantize")
-    for name, key, kernel, args in (("rows_rne_fake", "quantize_rows", tk._quantize_rows_kernel, rows),
+            SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+            K_FIRST=k_first("rht_quantize")), "rht_quantize")
+    for name, key, kernel, args in (("rows_rne_fake", "fake_rows", tk._quantize_rows_kernel, rows),
                                     ("rht_rne_fake", "rht_quantize", tk._rht_quantize_kernel, rht)):
         cfg = tk.CONFIGS[key]
-        consts = dict(SR=0, SWIZZLE=0, FAKE=1, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"])
+        consts = dict(SR=0, SWIZZLE=0, FAKE=1, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+                      K_FIRST=k_first(key))
         if "TILE_ROWS" in args:
             consts["TILE_ROWS"] = 1
         specs[name] = (kernel, args, consts, key)
     dual = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "amax_t_ptr": "*fp32", "bd_ptr": "*bf16", "bd_t_ptr": "*bf16",
             "M": "i32", "K": "i32", "stride_xm": "i32", "seed_ptr": "*i64", "seed_lo": "i32", "seed_hi": "i32",
             "seed_t_ptr": "*i64", "seed_t_lo": "i32", "seed_t_hi": "i32", "SR": "constexpr", "MIX": "constexpr",
-            "SR_T": "constexpr", "MIX_T": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr"}
+            "SR_T": "constexpr", "MIX_T": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
+            "K_FIRST": "constexpr"}
     cfg = tk.CONFIGS["dual_quantize"]
     specs["dual_sr_fake"] = (tk._dual_quantize_kernel, dual, dict(
-        SR=1, MIX=0, SR_T=1, MIX_T=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"]), "dual_quantize")
+        SR=1, MIX=0, SR_T=1, MIX_T=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], K_FIRST=k_first("dual_quantize")),
+        "dual_quantize")
     cfg = tk.CONFIGS["rht_amax"]
     specs["wgrad_amax"] = (tk._rht_amax_kernel, amax, dict(
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=cfg["ITERS"]), "rht_amax")
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=cfg["ITERS"], K_FIRST=k_first("rht_amax")), "rht_amax")
     return specs
 
 

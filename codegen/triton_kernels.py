@@ -104,10 +104,11 @@ Seed = Optional[Union[int, runtime.DeviceSeed]]
 CONFIGS = {
     "amax": dict(BLOCK=4096, ITERS=8, num_warps=8),
     "quantize_rows": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
+    "fake_rows": dict(BLOCK_M=16, BLOCK_K=256, num_warps=8, K_FIRST=True),
     "quantize_tiles": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
-    "rht_amax": dict(BLOCK_M=128, BLOCK_K=64, ITERS=4, num_warps=4),
+    "rht_amax": dict(BLOCK_M=32, BLOCK_K=128, ITERS=4, num_warps=2, K_FIRST=True),
     "rht_quantize": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
-    "dual_quantize": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
+    "dual_quantize": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, K_FIRST=True),
     "decode": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
     "transpose_tiles": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
     "quantize_mx": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
@@ -382,6 +383,14 @@ if triton is not None:
         tl.store(out_amax_ptr, tl.where(nonfinite, own, tl.load(amax_ptr)), mask=first)
         return own, nonfinite
 
+    @_jit()
+    def _tile_ids(K_FIRST: tl.constexpr):
+        """(pid_m, pid_k) of this program's tile: consecutive programs step along M (down a column of
+        tiles), or with K_FIRST along K (across a row of tiles, through memory in address order)."""
+        if K_FIRST:
+            return tl.program_id(1), tl.program_id(0)
+        return tl.program_id(0), tl.program_id(1)
+
     # ------------------------------------------------------------------------------------------
     # Global amax
     # ------------------------------------------------------------------------------------------
@@ -504,10 +513,9 @@ if triton is not None:
         x_ptr, amax_ptr, own_ptr, out_amax_ptr, data_ptr, scales_ptr, bd_ptr, M, K, stride_xm,
         seed_ptr, seed_lo, seed_hi,
         TILE_ROWS: tl.constexpr, SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, PASS: tl.constexpr,
-        MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr = False,
     ):
-        pid_m = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        pid_m, pid_k = _tile_ids(K_FIRST)
         seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
         # PASS 0: amax_ptr holds the own amax. 1: a given amax; track the own one. 2: fix-up.
         if PASS == 2:
@@ -699,18 +707,18 @@ if triton is not None:
     @_jit()
     def _rht_amax_kernel(
         x_ptr, amax_x_ptr, amax_y_ptr, M, K, stride_xm,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, K_FIRST: tl.constexpr = False,
     ):
         """Atomic max of |x| and |RHT(x^T)| bits; each program takes ITERS tiles along K.
 
         The RHT values are rounded to x's dtype once, at the end: rounding to nearest is monotone and
         symmetric, so the largest rounded |y| is the rounded largest |y| (NaN stays NaN)."""
-        pid_m = tl.program_id(0)
+        pid_m, pid_kk = _tile_ids(K_FIRST)
         x_amax = tl.zeros((), tl.int32)
         y_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.int32)
         for i in range(ITERS):
             y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, tile_x_amax, _, _ = _rht_tile(
-                x_ptr, M, K, stride_xm, pid_m, tl.program_id(1) * ITERS + i, BLOCK_M, BLOCK_K, False
+                x_ptr, M, K, stride_xm, pid_m, pid_kk * ITERS + i, BLOCK_M, BLOCK_K, False
             )
             x_amax = tl.maximum(x_amax, tile_x_amax)
             ym = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
@@ -819,10 +827,9 @@ if triton is not None:
         x_ptr, amax_ptr, own_ptr, out_amax_ptr, data_ptr, scales_ptr, bd_ptr, M, K, stride_xm,
         seed_ptr, seed_lo, seed_hi,
         SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, PASS: tl.constexpr,
-        MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr = False,
     ):
-        pid_m = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        pid_m, pid_k = _tile_ids(K_FIRST)
         seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
         if PASS == 2:
             own, nonfinite = _fixup_amax(amax_ptr, own_ptr, out_amax_ptr, (pid_m == 0) & (pid_k == 0))
@@ -844,14 +851,13 @@ if triton is not None:
         x_ptr, amax_ptr, amax_t_ptr, bd_ptr, bd_t_ptr, M, K, stride_xm,
         seed_ptr, seed_lo, seed_hi, seed_t_ptr, seed_t_lo, seed_t_hi,
         SR: tl.constexpr, MIX: tl.constexpr, SR_T: tl.constexpr, MIX_T: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr = False,
     ):
         """Both NVFP4 quantizations of a [M tokens, K] tensor, block-decoded, with their own amaxes given
         (``fp4.wgrad_amax``): 1x16 blocks along K into bd_ptr [M, K], and RHT(x^T) with 16-token blocks
         into bd_t_ptr [K, M]. Each program quantizes its tile both ways, so the second read of the tile
         comes mostly from L2."""
-        pid_m = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        pid_m, pid_k = _tile_ids(K_FIRST)
         seed_t_lo, seed_t_hi = _stream_key(seed_t_ptr, seed_t_lo, seed_t_hi, MIX_T)
         _rht_quantize_tile(
             x_ptr, bd_t_ptr, bd_t_ptr, bd_t_ptr, tl.load(amax_t_ptr), M, K, stride_xm, seed_t_lo, seed_t_hi,
@@ -988,6 +994,16 @@ def _launch_options(cfg: dict) -> dict:
     return {"num_warps": cfg["num_warps"], "enable_fp_fusion": False}
 
 
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+
+
+def _tiles(cfg: dict, m_tiles: int, k_tiles: int) -> tuple[tuple[int, int], dict]:
+    """(grid, the K_FIRST argument) of a kernel over m_tiles x k_tiles tiles (``_tile_ids``): K-tiles
+    first where the config asks for it and the M-tiles fit the grid's second dimension."""
+    k_first = bool(cfg.get("K_FIRST")) and m_tiles <= _MAX_GRID_Y
+    return ((k_tiles, m_tiles) if k_first else (m_tiles, k_tiles)), {"K_FIRST": k_first}
+
+
 def _as_rows(x: torch.Tensor, what: str, rows_multiple: int = 1, cols_multiple: int = 16) -> torch.Tensor:
     """x as a 2-D [rows, K] tensor with unit stride along K (a view where possible)."""
     if x.dtype not in _INPUT_DTYPES:
@@ -1070,10 +1086,10 @@ def _rht_amax_bits(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x2.shape
     out_x = torch.zeros(1, dtype=torch.int32, device=x2.device)
     out_y = torch.zeros(1, dtype=torch.int32, device=x2.device)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"] * cfg["ITERS"]))
+    grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"] * cfg["ITERS"]))
     _rht_amax_kernel[grid](
-        x2, out_x, out_y, m, k, x2.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=cfg["ITERS"], **_launch_options(cfg),
+        x2, out_x, out_y, m, k, x2.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=cfg["ITERS"],
+        **order, **_launch_options(cfg),
     )
     return out_x, out_y
 
@@ -1121,16 +1137,16 @@ def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake, amax
     _require_triton()
     x2 = _as_rows(x, what, tile_rows)
     m, k = x2.shape
-    cfg = CONFIGS["quantize_tiles" if tile_rows > 1 else "quantize_rows"]
+    cfg = CONFIGS["quantize_tiles" if tile_rows > 1 else "fake_rows" if fake else "quantize_rows"]
     data, scales, bd = _output_buffers(m, k, swizzle, fake, x2.device)
     seed_args = _seed_args(rounding, seed, x2, bd)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
 
     def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
         _quantize_rows_kernel[grid](
             x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             TILE_ROWS=tile_rows, SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **order, **_launch_options(cfg),
         )
 
     amax_used = _quantize_passes(launch, lambda: _amax_bits(x2), amax, x2.device, amax_is_own)
@@ -1149,13 +1165,13 @@ def _quantize_wgrad(x, rounding, seed, amax, swizzle, fake, amax_is_own=False):
     cfg = CONFIGS["rht_quantize"]
     data, scales, bd = _output_buffers(k, m, swizzle, fake, x2.device)
     seed_args = _seed_args(rounding, seed, x2, bd)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
 
     def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
         _rht_quantize_kernel[grid](
             x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **order, **_launch_options(cfg),
         )
 
     amax_used = _quantize_passes(launch, lambda: _rht_amax_bits(x2)[1], amax, x2.device, amax_is_own)
@@ -1319,12 +1335,12 @@ def fake_quantize_dual(
     given = [_amax_arg(a, x2.device) for a in (amax, amax_t)]
     seeds = _seed_args(rounding, seed, x2, bd)
     seeds_t = _seed_args(rounding_t, seed_t, x2, bd)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
     _dual_quantize_kernel[grid](
         x2, given[0], given[1], bd, bd_t, m, k, x2.stride(0),
         seeds["seed_ptr"], seeds["seed_lo"], seeds["seed_hi"], seeds_t["seed_ptr"], seeds_t["seed_lo"], seeds_t["seed_hi"],
         SR=rounding == "sr", MIX=seeds["MIX"], SR_T=rounding_t == "sr", MIX_T=seeds_t["MIX"],
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **order, **_launch_options(cfg),
     )
     return bd.reshape(x.shape), bd_t
 
