@@ -1,7 +1,9 @@
 """End-to-end training-step benchmark: BF16 torch.compile vs backend="nvfp4" vs naive fake-quant.
 
-Each variant runs in its own process with a fresh Inductor cache, so the first-call time is a real
-compile. Measures: first step (compile + run), median step time, peak GPU memory in steady state.
+Each variant runs in its own process with a fresh Inductor cache and a fresh Triton cache, so the
+first-call time is a real compile, fp4compile's Triton kernels included (without a fresh Triton cache
+they would load from the cache of an earlier run on the machine, and the figure would depend on the
+machine's history). Measures: first step (compile + run), median step time, peak GPU memory in steady state.
 Before timing, checks that the GPU quantize matches the CPU reference bit for bit. A ``-cg`` variant
 compiles with ``mode="reduce-overhead"`` (the steps are recorded in CUDA graphs and replayed); a ``-dec``
 variant sets ``Recipe(decoded_operands=True)``, a ``-packed`` one ``decoded_operands=False`` (without
@@ -170,7 +172,7 @@ def main():
     rows = []
     for d in args.d_model:
         for variant in args.variants:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp())
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=tempfile.mkdtemp())
             cmd = [sys.executable, __file__, "--variant", variant, "--d-model", str(d), "--n-layer", str(args.n_layer),
                    "--steps", str(args.steps), "--batch", str(args.batch)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
