@@ -100,7 +100,9 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (a quantize node's constant, mixed on the device with the step's base the runtime keeps there).
 Seed = Optional[Union[int, runtime.DeviceSeed]]
 
-# Launch parameters per kernel, chosen on an H200 (benchmarks/bench_kernels.py sweeps alternatives).
+# Launch parameters per kernel, chosen on an H200 (benchmarks/bench_kernels.py sweeps alternatives at
+# 8192x8192, benchmarks/sweep_tiles.py at the training step's shapes). K_FIRST: consecutive programs take
+# the tiles of a row band (``_tile_ids``). The decoded 1x16 quantizer has its own entry (fake_rows).
 CONFIGS = {
     "amax": dict(BLOCK=4096, ITERS=8, num_warps=8),
     "quantize_rows": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
@@ -713,12 +715,12 @@ if triton is not None:
 
         The RHT values are rounded to x's dtype once, at the end: rounding to nearest is monotone and
         symmetric, so the largest rounded |y| is the rounded largest |y| (NaN stays NaN)."""
-        pid_m, pid_kk = _tile_ids(K_FIRST)
+        pid_m, k_group = _tile_ids(K_FIRST)
         x_amax = tl.zeros((), tl.int32)
         y_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.int32)
         for i in range(ITERS):
             y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, tile_x_amax, _, _ = _rht_tile(
-                x_ptr, M, K, stride_xm, pid_m, pid_kk * ITERS + i, BLOCK_M, BLOCK_K, False
+                x_ptr, M, K, stride_xm, pid_m, k_group * ITERS + i, BLOCK_M, BLOCK_K, False
             )
             x_amax = tl.maximum(x_amax, tile_x_amax)
             ym = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
