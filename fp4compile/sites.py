@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import logging
 from typing import Optional
 
@@ -38,6 +39,17 @@ def example_values(args) -> tuple:
     """``args`` with each graph node replaced by its example value (``meta["val"]``): the arguments
     with which an op's fake implementation gives a new node's metadata."""
     return tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args)
+
+
+def call_unpacked(graph: torch.fx.Graph, target, args, outputs: int) -> tuple:
+    """(node, [getitem nodes 0 .. outputs-1]) for a multi-output op inserted at the graph's insert point,
+    each with its ``meta["val"]`` from the op's fake implementation (the inputs' values are FakeTensors)."""
+    node = graph.call_function(target, tuple(args))
+    items = [graph.call_function(operator.getitem, (node, j)) for j in range(outputs)]
+    node.meta["val"] = target(*example_values(args))
+    for j, item in enumerate(items):
+        item.meta["val"] = node.meta["val"][j]
+    return node, items
 
 
 def clone_dynamo_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

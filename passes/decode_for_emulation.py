@@ -26,7 +26,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fp4compile.sites import CompileContext, example_values
+from fp4compile.sites import CompileContext, call_unpacked, example_values
 
 from .fuse_rht_quantize import RHT_QUANTIZE
 from .insert_quantize import QUANTIZE
@@ -111,15 +111,10 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
                 continue
             target = FAKE_RHT_QUANTIZE if q.target is RHT_QUANTIZE else FAKE_QUANTIZE
             with gm.graph.inserting_before(q):
-                fq = gm.graph.call_function(target, q.args)
-                parts = [gm.graph.call_function(operator.getitem, (fq, j)) for j in (0, 1)]
+                fq, parts = call_unpacked(gm.graph, target, q.args, 2)
             fq.meta.update({k: v for k, v in q.meta.items() if k not in ("val", "eager_input_vals")})
             if "fp4_quantize" in q.meta:
                 fq.meta["fp4_quantize"] = dict(q.meta["fp4_quantize"], decoded=True)
-            vals = target(*example_values(q.args))  # the ops' fake implementations
-            fq.meta["val"] = vals
-            for j, part in enumerate(parts):
-                part.meta["val"] = vals[j]
             operands.append(parts)
         with gm.graph.inserting_before(mm):
             new = gm.graph.call_function(EMULATED_MM, (*operands[0], *operands[1], fmt, dtype))

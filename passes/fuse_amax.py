@@ -35,7 +35,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fp4compile.sites import CompileContext, example_tensor, example_values
+from fp4compile.sites import CompileContext, call_unpacked, example_tensor
 
 from .decode_for_emulation import FAKE_QUANTIZE, FAKE_RHT_QUANTIZE
 from .fuse_rht_quantize import RHT_QUANTIZE
@@ -164,8 +164,7 @@ def _make_dual(gm: fx.GraphModule, rows: fx.Node, transformed: fx.Node, base: fx
     size, _, _, rounding_t, seed_t, check_t, _ = transformed.args[1:]
     args = (base, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, *amaxes)
     with gm.graph.inserting_before(first):
-        dual = _call(gm.graph, FAKE_DUAL_QUANTIZE, args, FAKE_DUAL_QUANTIZE(*example_values(args)))
-        outputs = [_call(gm.graph, operator.getitem, (dual, j), dual.meta["val"][j]) for j in (0, 1)]
+        dual, outputs = call_unpacked(gm.graph, FAKE_DUAL_QUANTIZE, args, 2)
     dual.meta["fp4_quantize"] = dict(rows.meta.get("fp4_quantize", {}), dual=True)
     dual.meta["fp4_quantize_rht"] = dict(transformed.meta.get("fp4_quantize", {}), dual=True)
     for old, decoded, amax in ((rows, outputs[0], amaxes[0]), (transformed, outputs[1], amaxes[1])):
@@ -195,9 +194,7 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         base = partner.args[0]
         first = min(r, partner, key=order.__getitem__)
         with gm.graph.inserting_before(first):
-            vals = WGRAD_AMAX(base.meta["val"], size)
-            both = _call(gm.graph, WGRAD_AMAX, (base, size), vals)
-            amaxes = [_call(gm.graph, operator.getitem, (both, j), vals[j]) for j in (0, 1)]
+            _, amaxes = call_unpacked(gm.graph, WGRAD_AMAX, (base, size), 2)
         _give_amax(partner, amaxes[0], "wgrad_amax")
         _give_amax(r, amaxes[1], "wgrad_amax")
         taken.add(partner)

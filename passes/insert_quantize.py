@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from fp4compile import distributed, runtime
-from fp4compile.sites import CompileContext, example_values
+from fp4compile.sites import CompileContext, call_unpacked
 
 from .plan_gemm_roles import gemm_nodes
 
@@ -65,12 +65,7 @@ def _transposed(gm: fx.GraphModule, node: fx.Node, shared: list) -> tuple[fx.Nod
     """(the ``fp4.transpose_quantized`` node, [codes, scales, amax] of W^T) for dgrad's shared weight
     ``shared`` (W's codes, scales, amax as the forward made them), inserted before ``node``."""
     with gm.graph.inserting_before(node):
-        t = gm.graph.call_function(TRANSPOSE_QUANTIZED, (shared[0], shared[1]))
-        parts = [gm.graph.call_function(operator.getitem, (t, j)) for j in (0, 1)]
-    vals = TRANSPOSE_QUANTIZED(*example_values((shared[0], shared[1])))
-    t.meta["val"] = vals
-    for j, p in enumerate(parts):
-        p.meta["val"] = vals[j]
+        t, parts = call_unpacked(gm.graph, TRANSPOSE_QUANTIZED, (shared[0], shared[1]), 2)
     return t, [*parts, shared[2]]
 
 
@@ -121,16 +116,10 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 continue
             with gm.graph.inserting_before(node):
                 if group is None:
-                    q = gm.graph.call_function(QUANTIZE, args)
+                    q, parts = call_unpacked(gm.graph, QUANTIZE, args, 3)
                 else:
-                    q = gm.graph.call_function(QUANTIZE_SHARDED, (*args, group))
-                parts = [gm.graph.call_function(operator.getitem, (q, j)) for j in range(3)]
+                    q, parts = call_unpacked(gm.graph, QUANTIZE_SHARDED, (*args, group), 3)
             q.meta["fp4_quantize"] = meta
-            # Metadata from the ops' own fake implementations (the operand's value is a FakeTensor).
-            parts_val = QUANTIZE(*example_values(args))
-            q.meta["val"] = parts_val
-            for j, p in enumerate(parts):
-                p.meta["val"] = parts_val[j]
             new_args[i] = _dequantize(gm, node, parts, info.precision, block)
             inserted += 1
         node.args = tuple(new_args)
