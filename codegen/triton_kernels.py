@@ -49,9 +49,12 @@ Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (sl
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import functools
 import os
 import struct
+import threading
 from typing import Optional, Union
 
 import torch
@@ -996,6 +999,49 @@ def _launch_options(cfg: dict) -> dict:
     return {"num_warps": cfg["num_warps"], "enable_fp_fusion": False}
 
 
+# Launches, and plans of them. ``codegen.precompile`` runs a graph's ops with launches planned instead
+# of made, to compile their kernels while Inductor compiles the graph; the first launch after that
+# waits for those compiles rather than compiling a kernel a second time.
+_plans = threading.local()  # .sink: where this thread's launches go while it plans
+_pending: list = []  # futures of background compiles that the next launch waits for
+_pending_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def planning(sink):
+    """In this thread, each launch calls ``sink(kernel, grid, args, kwargs)`` instead of running: the
+    launchers do everything else as usual (on fake tensors, so nothing is allocated or read)."""
+    previous = getattr(_plans, "sink", None)
+    _plans.sink = sink
+    try:
+        yield
+    finally:
+        _plans.sink = previous
+
+
+def planning_active() -> bool:
+    return getattr(_plans, "sink", None) is not None
+
+
+def launch_after(futures) -> None:
+    """Make the next launch, in any thread, wait for these (background compiles) first."""
+    with _pending_lock:
+        _pending.extend(futures)
+
+
+def _launch(kernel, grid, *args, **kwargs) -> None:
+    sink = getattr(_plans, "sink", None)
+    if sink is not None:
+        sink(kernel, grid, args, kwargs)
+        return
+    if _pending:
+        with _pending_lock:
+            futures = list(_pending)
+            _pending.clear()
+        concurrent.futures.wait(futures)
+    kernel[grid](*args, **kwargs)
+
+
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 
 
@@ -1079,7 +1125,7 @@ def _amax_bits(x2: torch.Tensor) -> torch.Tensor:
     while iters > 1 and triton.cdiv(n, cfg["BLOCK"] * iters) < _AMAX_PROGRAMS:
         iters //= 2
     grid = (triton.cdiv(n, cfg["BLOCK"] * iters),)
-    _amax_kernel[grid](flat, out, n, BLOCK=cfg["BLOCK"], ITERS=iters, **_launch_options(cfg))
+    _launch(_amax_kernel, grid, flat, out, n, BLOCK=cfg["BLOCK"], ITERS=iters, **_launch_options(cfg))
     return out
 
 
@@ -1089,7 +1135,8 @@ def _rht_amax_bits(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out_x = torch.zeros(1, dtype=torch.int32, device=x2.device)
     out_y = torch.zeros(1, dtype=torch.int32, device=x2.device)
     grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"] * cfg["ITERS"]))
-    _rht_amax_kernel[grid](
+    _launch(
+        _rht_amax_kernel, grid,
         x2, out_x, out_y, m, k, x2.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=cfg["ITERS"],
         **order, **_launch_options(cfg),
     )
@@ -1145,7 +1192,8 @@ def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake, amax
     grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
 
     def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
-        _quantize_rows_kernel[grid](
+        _launch(
+            _quantize_rows_kernel, grid,
             x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             TILE_ROWS=tile_rows, SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **order, **_launch_options(cfg),
@@ -1170,7 +1218,8 @@ def _quantize_wgrad(x, rounding, seed, amax, swizzle, fake, amax_is_own=False):
     grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
 
     def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
-        _rht_quantize_kernel[grid](
+        _launch(
+            _rht_quantize_kernel, grid,
             x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **order, **_launch_options(cfg),
@@ -1251,7 +1300,8 @@ def _quantize_mx(kernel, x2, rows, cols, cfg, grid, rounding, seed):
     data = torch.empty((rows, cols // 2), dtype=torch.uint8, device=x2.device)
     scales = torch.empty((rows, cols // 32), dtype=torch.uint8, device=x2.device)
     amax = torch.zeros(1, dtype=torch.int32, device=x2.device)
-    kernel[grid](
+    _launch(
+        kernel, grid,
         x2, data, scales, amax, x2.shape[0], x2.shape[1], x2.stride(0), **_seed_args(rounding, seed, x2, data),
         SR=rounding == "sr", BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
     )
@@ -1338,7 +1388,8 @@ def fake_quantize_dual(
     seeds = _seed_args(rounding, seed, x2, bd)
     seeds_t = _seed_args(rounding_t, seed_t, x2, bd)
     grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
-    _dual_quantize_kernel[grid](
+    _launch(
+        _dual_quantize_kernel, grid,
         x2, given[0], given[1], bd, bd_t, m, k, x2.stride(0),
         seeds["seed_ptr"], seeds["seed_lo"], seeds["seed_hi"], seeds_t["seed_ptr"], seeds_t["seed_lo"], seeds_t["seed_hi"],
         SR=rounding == "sr", MIX=seeds["MIX"], SR_T=rounding_t == "sr", MIX_T=seeds_t["MIX"],
@@ -1364,7 +1415,8 @@ def _decode(data, scales, amax, dtype, swizzled, apply_amax):
     amax_t = out if amax is None else amax.detach().to(data.device, torch.float32).reshape(1)
     cfg = CONFIGS["decode"]
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
-    _decode_kernel[grid](
+    _launch(
+        _decode_kernel, grid,
         data2, scales, amax_t, out, m, k, SWIZZLE=swizzled, APPLY_AMAX=apply_amax,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
     )
@@ -1400,7 +1452,8 @@ def transpose_tiles(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Ten
     out_scales = torch.empty((k, n // 16), dtype=torch.uint8, device=data.device)
     cfg = CONFIGS["transpose_tiles"]
     grid = (triton.cdiv(n, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
-    _transpose_tiles_kernel[grid](
+    _launch(
+        _transpose_tiles_kernel, grid,
         data, scales, out_data, out_scales, n, k, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
     )
     return out_data, out_scales
@@ -1413,7 +1466,8 @@ def gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor, count: int = 1) -> to
     amax_b = amax_b.detach().to(amax_a.device, torch.float32).reshape(1)
     alpha = torch.empty(max(count, 1), dtype=torch.float32, device=amax_a.device)
     block = 1024
-    _alpha_kernel[(triton.cdiv(alpha.numel(), block),)](amax_a, amax_b, alpha, alpha.numel(), BLOCK=block, num_warps=4)
+    grid = (triton.cdiv(alpha.numel(), block),)
+    _launch(_alpha_kernel, grid, amax_a, amax_b, alpha, alpha.numel(), BLOCK=block, num_warps=4)
     return alpha
 
 
@@ -1436,6 +1490,8 @@ def emulated_scaled_mm(
         from . import cublaslt_gemm
 
         if cublaslt_gemm.enabled():
+            if planning_active():  # a plan of the launches: cuBLASLt's GEMM has no Triton kernel
+                return torch.empty((a_bd.shape[0], b_bd.shape[0]), dtype=out_dtype, device=a_bd.device)
             try:
                 if out_dtype not in (torch.bfloat16, torch.float32) or not a_bd.dtype == b_bd.dtype == torch.bfloat16:
                     raise cublaslt_gemm.Unsupported(
@@ -1453,7 +1509,8 @@ def emulated_scaled_mm(
     out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
     cfg = CONFIGS["epilogue"]
     n = acc.numel()
-    _epilogue_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](acc, alpha, out, n, BLOCK=cfg["BLOCK"], **_launch_options(cfg))
+    _launch(_epilogue_kernel, (triton.cdiv(n, cfg["BLOCK"]),), acc, alpha, out, n, BLOCK=cfg["BLOCK"],
+            **_launch_options(cfg))
     return out
 
 

@@ -141,7 +141,11 @@ class Backend:
         self.report.add_context(ctx)
 
         def aot_passes(graph: fx.GraphModule, stage: str) -> fx.GraphModule:
-            return pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage, self.print_ir_after)
+            graph = pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage, self.print_ir_after)
+            from fp4compile.codegen import precompile
+
+            precompile.start(graph, f"graph {graph_id} {stage}")  # its Triton kernels, while Inductor works
+            return graph
 
         if self.inner == "inductor":
             return _compile_inductor(gm, example_inputs, aot_passes, config)

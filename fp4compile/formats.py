@@ -129,7 +129,24 @@ def _e2m1_index_sr(mag: torch.Tensor, rand_bits: torch.Tensor) -> torch.Tensor:
     return torch.where(u < frac, hi_idx, lo_idx).to(torch.uint8)
 
 
-@functools.lru_cache(maxsize=None)
+def _device_constant(build):
+    """``functools.lru_cache`` for a function that builds a constant tensor on a device, always built
+    outside any fake-tensor mode: the cache must hold a real tensor even when first asked for by code
+    running on fake tensors (``codegen.precompile`` runs the ops' implementations on them)."""
+    cached = functools.lru_cache(maxsize=None)(build)
+
+    @functools.wraps(build)
+    def get(*args):
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            return cached(*args)
+
+    get.cache_clear = cached.cache_clear
+    return get
+
+
+@_device_constant
 def _e2m1_table(device: torch.device) -> torch.Tensor:
     """float32 value of each 4-bit code on ``device``, built once per device (a copy to a GPU made
     on every call would wait for the device's queue)."""
@@ -429,7 +446,7 @@ def _rht_scale(size: int, signs, device) -> torch.Tensor:
     return (_rht_signs(size, signs) * (1.0 / math.sqrt(size))).to(device)
 
 
-@functools.lru_cache(maxsize=None)
+@_device_constant
 def _default_rht_scale(size: int, device: torch.device) -> torch.Tensor:
     """``_rht_scale`` of the default signs, kept on each device: copied there once, not on every call
     (a host-to-device copy cannot be recorded in a CUDA graph)."""

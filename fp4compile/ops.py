@@ -20,12 +20,32 @@ in buffers; ``formats.QTensor`` is rebuilt inside the implementations.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from . import formats
 from . import runtime
+
+_IMPLEMENTATIONS: dict[str, Callable] = {}  # "fp4::name" -> the op's Python function
+
+
+def _custom_op(name: str):
+    """``torch.library.custom_op(name)`` for a function without mutated arguments, keeping the function
+    for ``implementation``."""
+
+    def register(fn):
+        _IMPLEMENTATIONS[name] = fn
+        return torch.library.custom_op(name, mutates_args=())(fn)
+
+    return register
+
+
+def implementation(op) -> Optional[Callable]:
+    """The Python function an fp4 op overload (``torch.ops.fp4.quantize.default``) runs on real tensors,
+    called directly (no dispatch); None for anything else. ``codegen.precompile`` runs it on fake tensors."""
+    schema = getattr(op, "_schema", None)
+    return _IMPLEMENTATIONS.get(schema.name) if schema is not None and not schema.overload_name else None
 
 
 
@@ -47,7 +67,7 @@ def _qtensor(data, scales, amax, fmt, block, shape, dtype=torch.float32) -> form
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fp4::gemm", mutates_args=())
+@_custom_op("fp4::gemm")
 def gemm(
     a: torch.Tensor, b: torch.Tensor, role: str, site: int, dtype: torch.dtype,
     b_codes: Optional[torch.Tensor] = None, b_scales: Optional[torch.Tensor] = None,
@@ -137,7 +157,7 @@ def _quantize(
     return q.data.view(torch.uint8), q.scales.view(torch.uint8), amax
 
 
-@torch.library.custom_op("fp4::quantize", mutates_args=())
+@_custom_op("fp4::quantize")
 def quantize(
     x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str,
     amax: Optional[torch.Tensor] = None,
@@ -176,7 +196,7 @@ def _quantize_fake(x, fmt, block, rounding, seed, check, amax=None):
     )
 
 
-@torch.library.custom_op("fp4::rht_quantize", mutates_args=())
+@_custom_op("fp4::rht_quantize")
 def rht_quantize(
     x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str,
     amax: Optional[torch.Tensor] = None,
@@ -203,7 +223,7 @@ def _(x, size, fmt, block, rounding, seed, check, amax=None):
     return _quantize_fake(x, fmt, block, rounding, seed, check)
 
 
-@torch.library.custom_op("fp4::wgrad_amax", mutates_args=())
+@_custom_op("fp4::wgrad_amax")
 def wgrad_amax(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(max |x|, max |formats.rht(x.T, size)|) as fp32 0-dim tensors, for x [tokens, K]: the two global
     amaxes a tensor quantized both for a forward/dgrad GEMM (1x16 along K) and for the weight-gradient
@@ -235,7 +255,7 @@ def _decoded(data, scales, amax, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return block_decode(data, scales, amax, fmt).to(torch.bfloat16), amax
 
 
-@torch.library.custom_op("fp4::fake_quantize", mutates_args=())
+@_custom_op("fp4::fake_quantize")
 def fake_quantize(
     x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str,
     amax: Optional[torch.Tensor] = None,
@@ -257,7 +277,7 @@ def _(x, fmt, block, rounding, seed, check, amax=None):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
 
 
-@torch.library.custom_op("fp4::fake_rht_quantize", mutates_args=())
+@_custom_op("fp4::fake_rht_quantize")
 def fake_rht_quantize(
     x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str,
     amax: Optional[torch.Tensor] = None,
@@ -278,7 +298,7 @@ def _(x, size, fmt, block, rounding, seed, check, amax=None):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
 
 
-@torch.library.custom_op("fp4::fake_dual_quantize", mutates_args=())
+@_custom_op("fp4::fake_dual_quantize")
 def fake_dual_quantize(
     x: torch.Tensor, size: int, fmt: str, rounding: str, seed: int, check: str,
     rounding_t: str, seed_t: int, check_t: str, amax: torch.Tensor, amax_t: torch.Tensor,
@@ -310,7 +330,7 @@ def _(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, am
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((x.shape[1], x.shape[0]), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("fp4::transpose_quantized", mutates_args=())
+@_custom_op("fp4::transpose_quantized")
 def transpose_quantized(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of W^T from those of W [N, K] quantized with NVFP4 16x16 tiles: codes [K, N/2] and
     scales [K, N/16] (the tile scales, repeated on each row, as ``formats`` stores them). Bit for bit
@@ -336,7 +356,7 @@ def _(data, scales):
     return data.new_empty((k, n // 2)), scales.new_empty((k, n // 16))
 
 
-@torch.library.custom_op("fp4::decode_blocks", mutates_args=())
+@_custom_op("fp4::decode_blocks")
 def decode_blocks(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """value(code) * block scale in bfloat16 (exact) of NVFP4 codes [M, K/2] with E4M3 scales [M, K/16]:
     the operand an emulated GEMM (``fp4.emulated_mm``) reads, for operands quantized elsewhere (a weight
@@ -354,7 +374,7 @@ def _(data, scales):
     return data.new_empty((*data.shape[:-1], data.shape[-1] * 2), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("fp4::dequantize", mutates_args=())
+@_custom_op("fp4::dequantize")
 def dequantize(
     data: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, fmt: str, block: str, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -372,7 +392,7 @@ def _(data, scales, amax, fmt, block, dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("fp4::rht", mutates_args=())
+@_custom_op("fp4::rht")
 def rht(x: torch.Tensor, size: int) -> torch.Tensor:
     """Blockwise random Hadamard transform along the last dim, default sign vector."""
     # The output keeps the input's layout (as the fake does), whatever strides the compiler picks.
@@ -412,7 +432,7 @@ def _decoded_product(a_bd, a_amax, b_bd, b_amax, fmt: str, out_dtype: torch.dtyp
     return acc.to(out_dtype)
 
 
-@torch.library.custom_op("fp4::scaled_mm", mutates_args=())
+@_custom_op("fp4::scaled_mm")
 def scaled_mm(
     a: torch.Tensor,
     a_scales: torch.Tensor,
@@ -436,7 +456,7 @@ def _(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, kernel):
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)
 
 
-@torch.library.custom_op("fp4::emulated_mm", mutates_args=())
+@_custom_op("fp4::emulated_mm")
 def emulated_mm(
     a: torch.Tensor, a_amax: torch.Tensor, b: torch.Tensor, b_amax: torch.Tensor, fmt: str, out_dtype: torch.dtype
 ) -> torch.Tensor:

@@ -1,0 +1,201 @@
+"""Background compilation of the Triton kernels (``codegen.precompile``): the plan made on fake tensors
+names the kernel specializations the real launches use, and a launch waits for pending compiles.
+
+The plan and the wait run on the CPU (the kernels in Triton's interpreter); tests marked ``gpu`` check
+on a GPU that a compiled model's first call compiles none of the kernels in the training thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
+
+from fp4compile import ops, runtime  # noqa: E402
+from fp4compile.codegen import precompile  # noqa: E402
+from fp4compile.codegen import triton_kernels as tk  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+def specialization(launch):
+    """What Triton compiles a launch for: the kernel, the grid, and each argument (tensors: dtype and
+    16-byte alignment; the other arguments as they are: sizes, constexprs, options)."""
+    kernel, grid, args, kwargs = launch
+    spec = lambda v: native_specialize_impl(CUDABackend, v, False, True, True) if hasattr(v, "data_ptr") else v  # noqa: E731
+    return kernel.fn.__name__, grid, [spec(a) for a in args], {k: spec(v) for k, v in kwargs.items()}
+
+
+def planned(fn, *args):
+    launches = []
+    with tk.planning(lambda kernel, grid, a, kw: launches.append((kernel, grid, a, kw))):
+        fn(*args)
+    return launches
+
+
+def calls(amax, amax_t, seed):
+    """Launchers of the kernels a training step uses, as functions of x [tokens, K]."""
+    return [
+        lambda x: tk.fake_quantize_1x16(x, "rne", 0),
+        lambda x: tk.fake_quantize_1x16(x, "sr", seed, amax=amax(x), amax_is_own=True),
+        lambda x: tk.fake_quantize_16x16(x, "rne", 0, amax=amax(x)),
+        lambda x: tk.quantize_wgrad_operand(x, "sr", seed),
+        lambda x: tk.fake_quantize_dual(x, "sr", seed, amax(x), "sr", seed, amax_t(x)),
+        lambda x: tk.wgrad_amax(x),
+        lambda x: tk.emulated_scaled_mm(x, amax(x), x, amax(x)),
+    ]
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (48, 48)])
+def test_plan_on_fake_tensors_names_the_real_launches(shape):
+    """The same kernels, grids, constexprs and argument specializations from fake tensors (through the
+    stand-ins the warm-up compiles with) as from real ones, at two shapes, and for a
+    view whose start is not 16-byte aligned (its pointer loses the alignment specialization)."""
+    seed = runtime.DeviceSeed(12345, torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    amax = lambda x: x.float().abs().amax()  # noqa: E731
+    amax_t = lambda x: x.float().abs().amax() * 2  # noqa: E731
+    m, k = shape
+    real = torch.randn(m * k + 1, dtype=torch.bfloat16, device=DEVICE)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = torch.empty(m * k + 1, dtype=torch.bfloat16, device=DEVICE)
+    views = lambda t: (t[:-1].view(m, k), t[1:].view(m, k))  # noqa: E731  (the second starts 2 bytes in)
+    for x, x_fake in zip(views(real), views(fake)):
+        for call in calls(amax, amax_t, seed):
+            expected = [specialization(launch) for launch in planned(call, x)]
+            with mode:
+                stand_ins = [
+                    (k, g, tuple(map(precompile._stand_in, a)), {n: precompile._stand_in(v) for n, v in kw.items()})
+                    for k, g, a, kw in planned(call, x_fake)
+                ]
+            assert expected and [specialization(launch) for launch in stand_ins] == expected
+    aligned, misaligned = (specialization(planned(calls(amax, amax_t, seed)[0], x)[0])[2][0] for x in views(real))
+    assert aligned == ("*bf16", "D") and misaligned[1] != "D"
+
+
+def test_planning_launches_nothing():
+    x = torch.randn(32, 32, device=DEVICE)
+    out = planned(lambda t: tk.fake_quantize_1x16(t, "rne", 0), x)
+    assert [launch[0].fn.__name__ for launch in out] == ["_amax_kernel", "_quantize_rows_kernel"]
+    # Outside the plan, the launch runs (and the decoded values are the reference's).
+    decoded, amax = tk.fake_quantize_1x16(x, "rne", 0)
+    assert torch.equal(amax.cpu(), x.cpu().abs().amax())
+
+
+def test_a_launch_waits_for_pending_compiles():
+    events = []
+    pending = concurrent.futures.Future()
+
+    def finish():
+        events.append("compiled")
+        pending.set_result(1)
+
+    tk.launch_after([pending])
+    timer = threading.Timer(0.2, finish)
+    timer.start()
+    amax = tk.global_amax(torch.ones(64, device=DEVICE))
+    events.append("launched")
+    timer.join()
+    assert events == ["compiled", "launched"] and float(amax) == 1.0
+    assert not tk._pending
+
+
+def test_ops_expose_their_implementations():
+    assert ops.implementation(torch.ops.fp4.fake_dual_quantize.default).__name__ == "fake_dual_quantize"
+    assert ops.implementation(torch.ops.aten.mm.default) is None
+    assert all(name in ops._IMPLEMENTATIONS for name in precompile.PLANNED_OPS)
+
+
+@pytest.mark.skipif(CUDA, reason="the no-GPU case")
+def test_no_background_compile_without_a_gpu():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(16, 16))
+    assert precompile.start(gm, "graph 0 forward") == []
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)])
+
+    def forward(self, x):
+        return self.blocks[1](torch.nn.functional.gelu(self.blocks[0](x)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_gpu_first_call_compiles_no_kernel_in_the_training_thread(fresh_dynamo, monkeypatch, mode):
+    """Every kernel the compiled step launches was compiled in the background while Inductor compiled
+    the graphs: the first call compiles none in the thread that launches it (the caller's for the
+    forward, autograd's for the backward), and gives the bits of a call without the warm-up."""
+    from triton.runtime.jit import JITFunction
+
+    from fp4compile import Backend
+
+    ours = [k for k in vars(tk).values() if isinstance(k, JITFunction)]
+    compiles = []
+    original = JITFunction._do_compile
+
+    def recorded(self, *args, **kwargs):
+        if self in ours:  # (kernel, compiled by the caller: the training thread or autograd's, not the pool)
+            caller = not threading.current_thread().name.startswith("fp4compile-precompile")
+            compiles.append((self.fn.__name__, caller))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", recorded)
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    x = torch.randn(512, 256, device="cuda")
+    results = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv(precompile.ENV, switch)
+        for kernel in ours:  # forget what earlier tests (or the first round) compiled in this process
+            kernel.device_caches.clear()
+        compiles.clear()
+        torch._dynamo.reset()
+        runtime.manual_seed(3)
+        backend = Backend(mode=mode, high_precision_first_blocks=0, high_precision_last_blocks=0)
+        m = MLP().cuda()
+        m.load_state_dict(model.state_dict())
+        with torch.autocast("cuda", torch.bfloat16):
+            y = torch.compile(m, backend=backend)(x)
+        y.float().square().sum().backward()
+        results.append([y.detach().float().cpu()] + [p.grad.cpu() for p in m.parameters()])
+        assert len({name for name, _ in compiles}) >= 3, compiles
+        in_caller = sorted({name for name, caller in compiles if caller})
+        if switch == "1":
+            assert compiles and not in_caller, f"compiled by the caller: {in_caller}"
+        else:
+            assert in_caller and all(caller for _, caller in compiles)
+    for on, off in zip(*results):
+        assert torch.equal(on, off)
+
+
+def test_device_constants_stay_real_when_first_built_on_fake_tensors():
+    """A plan runs reference code on fake tensors too (an op without a kernel for its input): the
+    per-device constants it builds and caches must be real tensors, or every later real call breaks."""
+    from fp4compile import formats
+
+    x = torch.randn(32, 64)
+    expected = formats.quantize(x, "nvfp4", "1x16", "sr", seed=7)
+    formats._e2m1_table.cache_clear()
+    formats._default_rht_scale.cache_clear()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        formats.quantize(formats.rht(mode.from_tensor(x).t(), 16), "nvfp4", "1x16", "sr", seed=7)
+    assert not isinstance(formats._e2m1_table(x.device), torch._subclasses.FakeTensor)
+    got = formats.quantize(x, "nvfp4", "1x16", "sr", seed=7)
+    assert torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8))
+    assert torch.equal(formats.rht(x, 16), formats.rht(x.clone(), 16))
