@@ -156,43 +156,49 @@ def plan(gm: fx.GraphModule) -> list[tuple]:
     return launches
 
 
-def _compile(device, launches) -> int:
+def _compile(device, launches) -> None:
     """Compile one kernel's planned launches in turn (the same specialization twice is a cache hit)."""
-    done = 0
     with torch.cuda.device(device):
         for kernel, grid, args, kwargs in launches:
             try:
                 kernel.warmup(*args, grid=grid, **kwargs)
-                done += 1
             except Exception as err:  # the launch itself will raise it, with its own context
-                log.debug("fp4compile: precompile of %s failed: %s", getattr(kernel, "__name__", kernel), err)
-    return done
+                log.debug("fp4compile: precompile of %s failed: %s", kernel, err)
+
+
+def _device(launch) -> Optional[torch.device]:
+    """The CUDA device of a planned launch (that of its tensor arguments); None off CUDA."""
+    for value in (*launch[2], *launch[3].values()):
+        if isinstance(value, _StandIn):
+            return value.device if value.device.type == "cuda" else None
+    return None
 
 
 def start(gm: fx.GraphModule, what: str) -> list[concurrent.futures.Future]:
     """Plan ``gm``'s launches and compile their kernels in the background; returns the futures (the
-    next launch waits for them). Nothing happens without CUDA Triton kernels or with the switch off."""
-    if not enabled() or not torch.cuda.is_available() or not triton_kernels.available()[0]:
+    next launch waits for them). Nothing happens without compiled Triton kernels on a CUDA GPU, or with
+    the switch off."""
+    if not enabled() or not torch.cuda.is_available() or triton_kernels._interpreting():
         return []
-    if triton_kernels._interpreting():
+    if not triton_kernels.available()[0]:
         return []
     t0 = time.perf_counter()
     try:
-        launches = [launch for launch in plan(gm) if _launch_device(launch) is not None]
+        launches = plan(gm)
     except Exception as err:  # an optimization only: the kernels then compile at their first launch
         log.warning("fp4compile: %s: no background compile of the Triton kernels: %s: %s", what, type(err).__name__, err)
         return []
-    if not launches:
-        return []
-    groups: dict = {}
+    groups: dict = {}  # (kernel, device) -> its launches
     for launch in launches:
-        groups.setdefault((launch[0], _launch_device(launch)), []).append(launch)
-    pool = _executor()
-    futures = [pool.submit(_compile, device, group) for (_, device), group in groups.items()]
-    planned = time.perf_counter() - t0
+        device = _device(launch)
+        if device is not None:
+            groups.setdefault((launch[0], device), []).append(launch)
+    if not groups:
+        return []
+    futures = [_executor().submit(_compile, device, group) for (_, device), group in groups.items()]
     log.info(
         "fp4compile: %s: compiling %d Triton kernels (%d launches) in the background (planned in %.2f s)",
-        what, len(groups), len(launches), planned,
+        what, len(groups), sum(map(len, groups.values())), time.perf_counter() - t0,
     )
     remaining = [len(futures)]
     lock = threading.Lock()
@@ -209,11 +215,3 @@ def start(gm: fx.GraphModule, what: str) -> list[concurrent.futures.Future]:
         future.add_done_callback(finished)
     triton_kernels.launch_after(futures)
     return futures
-
-
-def _launch_device(launch) -> Optional[torch.device]:
-    """The CUDA device of a planned launch (that of its tensor arguments)."""
-    for value in (*launch[2], *launch[3].values()):
-        if isinstance(value, _StandIn):
-            return value.device if value.device.type == "cuda" else None
-    return None
