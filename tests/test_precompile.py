@@ -199,3 +199,31 @@ def test_device_constants_stay_real_when_first_built_on_fake_tensors():
     got = formats.quantize(x, "nvfp4", "1x16", "sr", seed=7)
     assert torch.equal(got.data.view(torch.uint8), expected.data.view(torch.uint8))
     assert torch.equal(formats.rht(x, 16), formats.rht(x.clone(), 16))
+
+
+def test_plan_runs_each_distinct_node_once(monkeypatch):
+    """One plan per distinct (op, arguments, input layouts): nodes that differ only in their inputs'
+    values share it, another shape gets its own, and a node whose input has no tensor value is skipped.
+    The ops choose their kernels for CUDA tensors only, so here the quantize op's implementation is one
+    that calls the kernel's launcher whatever the device."""
+    calls = []
+
+    def quantize(x, fmt, block, rounding, seed, check, amax=None):
+        calls.append(tuple(x.shape))
+        return tk.quantize_1x16(x, rounding, seed)
+
+    monkeypatch.setitem(ops._IMPLEMENTATIONS, "fp4::quantize", quantize)
+    graph = torch.fx.Graph()
+    mode = FakeTensorMode()
+    values = {"a": (64, 32), "b": (64, 32), "c": (32, 64), "d": None}
+    for name, shape in values.items():
+        node = graph.placeholder(name)
+        if shape is not None:
+            with mode:
+                node.meta["val"] = torch.empty(shape, dtype=torch.bfloat16)
+        graph.call_function(torch.ops.fp4.quantize.default, (node, "nvfp4", "1x16", "rne", 0, ""))
+    graph.output(None)
+    launches = precompile.plan(torch.fx.GraphModule(torch.nn.Module(), graph))
+    assert calls == [(64, 32), (32, 64)]
+    assert [launch[0].fn.__name__ for launch in launches] == ["_amax_kernel", "_quantize_rows_kernel"] * 2
+    assert [launch[2][7:9] for launch in launches if launch[0] is tk._quantize_rows_kernel] == [(64, 32), (32, 64)]
