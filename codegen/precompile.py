@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fp4compile import ops
+from fp4compile import ops, runtime
 
 from . import triton_kernels
 
@@ -63,7 +63,7 @@ _pool_lock = threading.Lock()
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return runtime.env_flag(ENV, True)
 
 
 def _executor() -> concurrent.futures.ThreadPoolExecutor:

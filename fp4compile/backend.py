@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import sys
 import weakref
 from typing import Optional, Sequence
@@ -71,7 +70,7 @@ class Backend:
             raise ValueError(f"mode={mode!r} is an Inductor mode; it needs inner='inductor', got inner={inner!r}")
         recipe = recipe or Recipe()
         recipe = recipe.replace(**recipe_fields) if recipe_fields else recipe
-        if os.environ.get(CHECK_FINITE_ENV, "0").strip().lower() not in ("", "0", "false", "no", "off"):
+        if runtime.env_flag(CHECK_FINITE_ENV, False):
             recipe = recipe.replace(check_finite=True)
         self.recipe = recipe
         self.passes = list(passes)

@@ -130,19 +130,22 @@ def _e2m1_index_sr(mag: torch.Tensor, rand_bits: torch.Tensor) -> torch.Tensor:
 
 
 def _device_constant(build):
-    """``functools.lru_cache`` for a function that builds a constant tensor on a device, always built
+    """A cache for a function that builds a constant tensor on a device. A missing entry is built
     outside any fake-tensor mode: the cache must hold a real tensor even when first asked for by code
     running on fake tensors (``codegen.precompile`` runs the ops' implementations on them)."""
-    cached = functools.lru_cache(maxsize=None)(build)
+    cache: dict = {}
 
     @functools.wraps(build)
     def get(*args):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        value = cache.get(args)
+        if value is None:
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        with unset_fake_temporarily():
-            return cached(*args)
+            with unset_fake_temporarily():
+                value = cache.setdefault(args, build(*args))
+        return value
 
-    get.cache_clear = cached.cache_clear
+    get.cache_clear = cache.clear
     return get
 
 
