@@ -268,24 +268,45 @@ if triton is not None:
         value = (rounded.to(tl.uint32, bitcast=True) | (sign << 28)).to(tl.float32, bitcast=True)
         return idx | sign, value
 
+    # Outside Triton's interpreter (which has no directed-rounding additions) stochastic rounding takes
+    # m + 1 rounded upward for the ceiling below 1: one fp32 addition instead of a float-to-int conversion.
+    _ADD_RU = tl.constexpr(not _interpreting())
+
     @_jit()
-    def _e2m1_sr(v, rand):
-        """(4-bit code, signed E2M1 value) of v rounded stochastically, as ``formats._e2m1_index_sr``.
+    def _e2m1_sr(v, r64, DECODED: tl.constexpr):
+        """(4-bit code, signed E2M1 value) of v rounded stochastically, as ``formats._e2m1_index_sr``;
+        ``r64``: the element's 16 random bits times 2**6 (``_sr_draws``).
 
         Integer arithmetic on a fixed-point m = min(|v|, 6) in which every grid step is 2**22: from 1 up,
-        m's own bits less 252 * 2**22 (the mantissa's top bit is the grid bit, the 22 below it are
-        frac * 2**22 exactly, and 1.0 lands on index 2); below 1, ceil(m * 2**23) (step 0.5). Adding
-        2**22 - 1 - rand * 2**6 (the constant folded into each side's offset) carries into the index
-        exactly when rand * 2**6 < frac * 2**22, that is when u = rand * 2**-16 < frac; below 1 the
-        ceiling keeps that comparison exact (rand * 2**6 is an integer). The index is the sum's bits
-        from 22 up.
+        m's own fp32 bits (the mantissa's top bit is the grid bit, the 22 below it are frac * 2**22
+        exactly); below 1, where the step is 0.5 as in [1, 2), the bits of m + 1 rounded upward (add.rp:
+        ceil(m * 2**23) in the mantissa). Adding 2**22 - 1 - r64 carries into the grid bit exactly when
+        rand * 2**6 < frac * 2**22, that is when u = rand * 2**-16 < frac; below 1 the upward rounding
+        keeps that comparison exact (r64 is an integer). Clearing the 22 bits leaves the rounded value
+        (less 1 below 1). Where only the code is wanted (not DECODED), and in the interpreter, the ceiling
+        is computed as ceil(m * 2**23) instead (the same integer; a float-to-int conversion, but the index
+        is then the sum's bits from 22 up, with no correction).
         """
         m, bits, _, sign = _grid_position(v)
-        normal = m >= 1.0
-        below = tl.math.ceil(m * 8388608.0).to(tl.uint32)  # at most 6 * 2**23: computed for every m, kept below 1
-        total = tl.where(normal, bits - (0x3F000000 - 0x3FFFFF), below + 0x3FFFFF) - rand * 64
-        idx = total >> 22
-        value_bits = tl.where(idx >= 2, (total & 0xFFC00000) + 0x3F000000, idx * 0x3F000000)
+        if _ADD_RU and DECODED:
+            below = m < 1.0
+            shift = tl.where(below, 1.0, 0.0)
+            # m itself from 1 up (adding 0 is exact). Not libdevice's add_ru: Triton builds it flushing
+            # subnormals to zero, and a subnormal m must still round up to 0.5 on a draw of 0.
+            lifted = tl.inline_asm_elementwise(
+                "add.rp.f32 $0, $1, $2;", "=f,f,f", [m, shift], dtype=tl.float32, is_pure=True, pack=1
+            )
+            total = (lifted.to(tl.uint32, bitcast=True) + (0x3FFFFF - r64)) & 0xFFC00000
+            # 1.0 (bits 254 << 22) is index 2; below 1, value + 1 in [1, 2] is index + 2.
+            idx = (total >> 22) - tl.where(below, 254, 252)
+            magnitude = total.to(tl.float32, bitcast=True) - shift  # exact
+            value_bits = magnitude.to(tl.uint32, bitcast=True)
+        else:
+            normal = m >= 1.0
+            below = tl.math.ceil(m * 8388608.0).to(tl.uint32)  # at most 6 * 2**23: computed for every m, kept below 1
+            total = tl.where(normal, bits - (0x3F000000 - 0x3FFFFF), below + 0x3FFFFF) - r64
+            idx = total >> 22
+            value_bits = tl.where(idx >= 2, (total & 0xFFC00000) + 0x3F000000, idx * 0x3F000000)
         return idx | sign, (value_bits | (sign << 28)).to(tl.float32, bitcast=True)
 
     @_jit()
@@ -297,19 +318,19 @@ if triton is not None:
         return (bits | ((c >> 3) << 31)).to(tl.float32, bitcast=True)
 
     @_jit()
-    def _hash32(x):
-        """lowbias32 on uint32, as ``formats._hash32``."""
+    def _hash32_open(x):
+        """lowbias32 on uint32 (``formats._hash32``) less its last step, h -> h ^ (h >> 16)."""
         x = x ^ (x >> 16)
         x = x * 0x7FEB352D
         x = x ^ (x >> 15)
-        x = x * 0x846CA68B
-        return x ^ (x >> 16)
+        return x * 0x846CA68B
 
     @_jit()
     def _sr_word(first, k, seed_lo, seed_hi):
         """The 32-bit words of the pair indices first + k (elements 2 pair and 2 pair + 1) in the stream
-        (seed_lo, seed_hi), as ``formats.sr_random_bits``: element 2 pair draws the low 16 bits, element
-        2 pair + 1 the high 16 bits. Every kernel holds both elements of a pair and hashes once for both.
+        (seed_lo, seed_hi), as ``formats.sr_random_bits``, before the last step of their second hash
+        (``_sr_draws`` takes it). Element 2 pair draws the word's low 16 bits, element 2 pair + 1 the high
+        16 bits. Every kernel holds both elements of a pair and hashes once for both.
 
         ``first`` (int64) is a multiple of a power of two above every ``k`` (small non-negative ints), so
         first + k carries nothing: its low word is first's with k or-ed in and its high word is first's;
@@ -318,28 +339,39 @@ if triton is not None:
         k1 = seed_hi.to(tl.uint32, bitcast=True)
         lo = (first.to(tl.uint32) ^ k0) ^ k
         hi = (first >> 32).to(tl.uint32) ^ k1
-        return _hash32(_hash32(lo) ^ hi)
+        h = _hash32_open(lo)
+        return _hash32_open((h ^ (h >> 16)) ^ hi)
+
+    @_jit()
+    def _sr_draws(h):
+        """(even, odd) element's 16 random bits times 2**6 (what ``_e2m1_sr`` takes) from their pair's word
+        h before its last step: the word is w = h ^ (h >> 16), the even element draws (w & 0xFFFF) << 6 =
+        ((h << 6) ^ (h >> 10)) & 0x3FFFC0 and the odd one (w >> 16) << 6 = (h >> 10) & 0x3FFFC0, so the
+        last step's shift is shared and its exclusive or merges with the masking."""
+        s = h >> 10
+        return ((h << 6) ^ s) & 0x3FFFC0, s & 0x3FFFC0
 
     @_jit()
     def _sr_pair_bits(first, k, seed_lo, seed_hi):
-        """The random bits of the elements of the [R, P] pair indices first + k (as ``_sr_word``): [R, 2 P],
-        elements 2 pair and 2 pair + 1 side by side, one hash per pair."""
-        w = _sr_word(first, k, seed_lo, seed_hi)
-        return tl.reshape(tl.join(w & 0xFFFF, w >> 16), (w.shape[0], 2 * w.shape[1]))
+        """The random draws (``_sr_draws``) of the elements of the [R, P] pair indices first + k (as
+        ``_sr_word``): [R, 2 P], elements 2 pair and 2 pair + 1 side by side, one hash per pair."""
+        even, odd = _sr_draws(_sr_word(first, k, seed_lo, seed_hi))
+        return tl.reshape(tl.join(even, odd), (even.shape[0], 2 * even.shape[1]))
 
     @_jit()
     def _sr_row_bits(rows, pid_k, K, BLOCK_K: tl.constexpr, seed_lo, seed_hi):
-        """The random bits of the [rows, BLOCK_K] tile at column block pid_k of a row-major [.., K] tensor (K
+        """The random draws (``_sr_draws``) of the [rows, BLOCK_K] tile at column block pid_k of a row-major [.., K] tensor (K
         even): pair index (row K + col) / 2."""
         pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         return _sr_pair_bits(rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], 0, seed_lo, seed_hi)
 
     @_jit()
-    def _e2m1(v, rand, SR: tl.constexpr):
-        """(4-bit code, signed E2M1 value) of v: stochastic with SR (``rand``: the elements' 16 random
-        bits, see ``_sr_word``), else round to nearest even; ``rand`` is read with SR only."""
+    def _e2m1(v, rand, SR: tl.constexpr, DECODED: tl.constexpr = False):
+        """(4-bit code, signed E2M1 value) of v: stochastic with SR (``rand``: the elements' random draws,
+        see ``_sr_draws``), else round to nearest even; ``rand`` is read with SR only. DECODED: the value
+        is used (else only the code)."""
         if SR:
-            code, value = _e2m1_sr(v, rand)
+            code, value = _e2m1_sr(v, rand, DECODED)
         else:
             code, value = _e2m1_rne(v)
         return code, value
@@ -427,7 +459,7 @@ if triton is not None:
             rand = _sr_pair_bits((start >> 1)[:, None], tl.arange(0, 4)[None, :], seed_lo, seed_hi)
         else:
             rand = 0
-        code, value = _e2m1(v, rand, SR)
+        code, value = _e2m1(v, rand, SR, FAKE)
         if FAKE:
             bd = (value * sf[:, None]).to(bd_ptr.dtype.element_ty)
             tl.store(bd_ptr + start[:, None] + tl.arange(0, 8)[None, :], bd, mask=mask[:, None])
@@ -494,7 +526,7 @@ if triton is not None:
             rand = tl.reshape(_sr_row_bits(rows, pid_k, K, BLOCK_K, seed_lo, seed_hi), (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
         else:
             rand = 0
-        code, value = _e2m1(v, rand, SR)
+        code, value = _e2m1(v, rand, SR, FAKE)
         if FAKE:
             bd = tl.reshape(value * sf[:, None, :, None], (BLOCK_M, BLOCK_K))
             tl.store(bd_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], bd.to(bd_ptr.dtype.element_ty), mask=mask)
@@ -558,7 +590,7 @@ if triton is not None:
 
     @_jit()
     def _mx_codes(v, rand, SR: tl.constexpr):
-        """4-bit codes (uint8) of the scaled values v; ``rand`` (their random bits) is read with SR only."""
+        """4-bit codes (uint8) of the scaled values v; ``rand`` (their random draws) is read with SR only."""
         code, _ = _e2m1(v, rand, SR)
         return tl.where(v == v, code, 0).to(tl.uint8)  # NaN: index 0, as the reference's comparisons give
 
@@ -736,11 +768,11 @@ if triton is not None:
     def _rht_code(y, factor, keep, rand, sf, SR: tl.constexpr, FAKE: tl.constexpr, MX: tl.constexpr):
         """4-bit code (uint32) of v = y * factor, 0 where not ``keep`` (with MX: where v is NaN, as the
         reference's comparisons give); with FAKE, its block-decoded value value(code) * sf instead.
-        ``rand``: the elements' random bits, read with SR only."""
+        ``rand``: the elements' random draws (``_sr_draws``), read with SR only."""
         v = y * factor
         if MX:
             keep = v == v
-        code, value = _e2m1(v, rand, SR)
+        code, value = _e2m1(v, rand, SR, FAKE)
         if FAKE:
             out = value * sf
         else:
@@ -776,24 +808,32 @@ if triton is not None:
             w2, w3 = _sr_word(pair, 2, seed_lo, seed_hi), _sr_word(pair, 3, seed_lo, seed_hi)
             w4, w5 = _sr_word(pair, 4, seed_lo, seed_hi), _sr_word(pair, 5, seed_lo, seed_hi)
             w6, w7 = _sr_word(pair, 6, seed_lo, seed_hi), _sr_word(pair, 7, seed_lo, seed_hi)
+            r0, r1 = _sr_draws(w0)
+            r2, r3 = _sr_draws(w1)
+            r4, r5 = _sr_draws(w2)
+            r6, r7 = _sr_draws(w3)
+            r8, r9 = _sr_draws(w4)
+            r10, r11 = _sr_draws(w5)
+            r12, r13 = _sr_draws(w6)
+            r14, r15 = _sr_draws(w7)
         else:
-            w0, w1, w2, w3, w4, w5, w6, w7 = 0, 0, 0, 0, 0, 0, 0, 0
-        c0 = _rht_code(y0, factor, keep, w0 & 0xFFFF, sf, SR, FAKE, MX)
-        c1 = _rht_code(y1, factor, keep, w0 >> 16, sf, SR, FAKE, MX)
-        c2 = _rht_code(y2, factor, keep, w1 & 0xFFFF, sf, SR, FAKE, MX)
-        c3 = _rht_code(y3, factor, keep, w1 >> 16, sf, SR, FAKE, MX)
-        c4 = _rht_code(y4, factor, keep, w2 & 0xFFFF, sf, SR, FAKE, MX)
-        c5 = _rht_code(y5, factor, keep, w2 >> 16, sf, SR, FAKE, MX)
-        c6 = _rht_code(y6, factor, keep, w3 & 0xFFFF, sf, SR, FAKE, MX)
-        c7 = _rht_code(y7, factor, keep, w3 >> 16, sf, SR, FAKE, MX)
-        c8 = _rht_code(y8, factor, keep, w4 & 0xFFFF, sf, SR, FAKE, MX)
-        c9 = _rht_code(y9, factor, keep, w4 >> 16, sf, SR, FAKE, MX)
-        c10 = _rht_code(y10, factor, keep, w5 & 0xFFFF, sf, SR, FAKE, MX)
-        c11 = _rht_code(y11, factor, keep, w5 >> 16, sf, SR, FAKE, MX)
-        c12 = _rht_code(y12, factor, keep, w6 & 0xFFFF, sf, SR, FAKE, MX)
-        c13 = _rht_code(y13, factor, keep, w6 >> 16, sf, SR, FAKE, MX)
-        c14 = _rht_code(y14, factor, keep, w7 & 0xFFFF, sf, SR, FAKE, MX)
-        c15 = _rht_code(y15, factor, keep, w7 >> 16, sf, SR, FAKE, MX)
+            r0, r1, r2, r3, r4, r5, r6, r7, r8, r9, r10, r11, r12, r13, r14, r15 = (0,) * 16
+        c0 = _rht_code(y0, factor, keep, r0, sf, SR, FAKE, MX)
+        c1 = _rht_code(y1, factor, keep, r1, sf, SR, FAKE, MX)
+        c2 = _rht_code(y2, factor, keep, r2, sf, SR, FAKE, MX)
+        c3 = _rht_code(y3, factor, keep, r3, sf, SR, FAKE, MX)
+        c4 = _rht_code(y4, factor, keep, r4, sf, SR, FAKE, MX)
+        c5 = _rht_code(y5, factor, keep, r5, sf, SR, FAKE, MX)
+        c6 = _rht_code(y6, factor, keep, r6, sf, SR, FAKE, MX)
+        c7 = _rht_code(y7, factor, keep, r7, sf, SR, FAKE, MX)
+        c8 = _rht_code(y8, factor, keep, r8, sf, SR, FAKE, MX)
+        c9 = _rht_code(y9, factor, keep, r9, sf, SR, FAKE, MX)
+        c10 = _rht_code(y10, factor, keep, r10, sf, SR, FAKE, MX)
+        c11 = _rht_code(y11, factor, keep, r11, sf, SR, FAKE, MX)
+        c12 = _rht_code(y12, factor, keep, r12, sf, SR, FAKE, MX)
+        c13 = _rht_code(y13, factor, keep, r13, sf, SR, FAKE, MX)
+        c14 = _rht_code(y14, factor, keep, r14, sf, SR, FAKE, MX)
+        c15 = _rht_code(y15, factor, keep, r15, sf, SR, FAKE, MX)
         if FAKE:
             bd = _join16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
             tl.store(bd_ptr + base[:, :, None] + tl.arange(0, 16)[None, None, :], bd.to(bd_ptr.dtype.element_ty),

@@ -254,12 +254,16 @@ def test_e2m1_ties_and_steps():
         assert_same_quantization(*out, formats.quantize(x, rounding=rounding, seed=21, amax=amax))
 
 
-def test_e2m1_sr_at_each_elements_draw():
+@pytest.mark.parametrize("decoded", [False, True], ids=["codes", "decoded"])
+def test_e2m1_sr_at_each_elements_draw(decoded):
     """SR decides hi when u = bits * 2**-16 < frac: every element is put exactly on its own draw (frac ==
     u: lo) and one float32 step either side, in each grid interval; below 0.5 those steps are finer
-    than 2**-23, the resolution of the kernel's fixed point there. Global and block scale 1 (amax =
-    inf, a 6 in each block), so codes see x itself."""
-    rows, seed = 256, 77
+    than 2**-23, the resolution of the kernel's fixed point there. Elements whose draw is 0 hold
+    subnormal float32 values: any frac > 0 beats that draw, so they round up to 0.5 (an addition that
+    flushed subnormals to zero would keep them at 0). Global and block scale 1 (amax = inf, a 6 in
+    each block), so codes see x itself. The packed codes and the decoded form (its own arithmetic on
+    the GPU: m + 1 rounded upward) are both checked."""
+    rows, seed = 4096, 77
     bits = formats.sr_random_bits(rows * 16, seed).reshape(rows, 16).float()
     gen = torch.Generator().manual_seed(3)
     grid = torch.tensor(formats.E2M1_VALUES)
@@ -269,14 +273,24 @@ def test_e2m1_sr_at_each_elements_draw():
     shift = torch.randint(-1, 2, (rows, 16), generator=gen)  # -1, 0 or +1 float32 step
     x = torch.where(shift > 0, torch.nextafter(on_draw, torch.tensor(8.0)),
                     torch.where(shift < 0, torch.nextafter(on_draw, torch.tensor(0.0)), on_draw))
+    zero_draw = bits == 0
+    zero_draw[:, 0] = False
+    assert zero_draw.sum() >= 1  # this seed and size hold such draws
+    x = torch.where(zero_draw, torch.finfo(torch.float32).tiny / 8, x)
+    lo_idx = torch.where(zero_draw, 0, lo_idx)
+    shift = torch.where(zero_draw, 1, shift)
     x[:, 0] = 6.0
     x = x * torch.where(torch.rand(rows, 16, generator=gen) < 0.5, -1.0, 1.0)
     amax = torch.tensor(float("inf"))
     ref = formats.quantize(x, rounding="sr", seed=seed, amax=amax)
     up = ref.codes()[:, 1:] & 7 > lo_idx[:, 1:]
     assert torch.equal(up, (shift > 0)[:, 1:])  # the reference: hi only above the draw
-    out = tk.quantize_1x16(x.to(DEVICE), "sr", seed=seed, amax=amax.to(DEVICE))
-    assert_same_quantization(*out, ref)
+    if decoded:
+        bd, _ = tk.fake_quantize_1x16(x.to(DEVICE), "sr", seed=seed, amax=amax.to(DEVICE))
+        assert_same_float(bd, formats.block_decode(ref).to(torch.bfloat16))
+    else:
+        out = tk.quantize_1x16(x.to(DEVICE), "sr", seed=seed, amax=amax.to(DEVICE))
+        assert_same_quantization(*out, ref)
 
 
 def test_e4m3_scale_rounding():
