@@ -137,14 +137,38 @@ class GemmSite:
         return "*".join(str(d) for d in dims)
 
 
-@dataclasses.dataclass
 class StageGraph:
-    """A snapshot of a graph after a pass: ``stage`` is "dynamo", "forward" or "backward"."""
+    """A snapshot of a graph after a pass: ``stage`` is "dynamo", "forward" or "backward"; ``code`` is the
+    graph's readable code (``GraphModule.print_readable``).
 
-    graph_id: int
-    stage: str
-    pass_name: str
-    code: str
+    The snapshot keeps a structural copy of the graph and renders ``code`` when it is first read:
+    generating the code at every pass of every graph was about a second of each compile, for text
+    that only the reports and ``FP4COMPILE_PRINT_IR_AFTER`` read.
+    """
+
+    def __init__(self, graph_id: int, stage: str, pass_name: str, gm: torch.fx.GraphModule):
+        self.graph_id = graph_id
+        self.stage = stage
+        self.pass_name = pass_name
+        self._root = gm
+        self._graph = copy_graph(gm.graph)
+        self._code: Optional[str] = None
+
+    @property
+    def code(self) -> str:
+        if self._code is None:
+            try:
+                module = torch.fx.GraphModule(self._root, self._graph, class_name=type(self._root).__name__)
+            except AttributeError:
+                # A later pass removed an attribute the snapshot's get_attr nodes name: the bare code.
+                self._code = self._graph.python_code(root_module="self").src
+            else:
+                self._code = module.print_readable(print_output=False)
+            self._root = self._graph = None
+        return self._code
+
+    def __repr__(self) -> str:
+        return f"StageGraph(graph_id={self.graph_id}, stage={self.stage!r}, pass_name={self.pass_name!r})"
 
 
 class CompileContext:
@@ -174,7 +198,7 @@ class CompileContext:
 
     def record(self, stage: str, pass_name: str, gm: torch.fx.GraphModule) -> None:
         """Keep the graph's code after a pass (for reports and diffs)."""
-        self.graphs.append(StageGraph(self.graph_id, stage, pass_name, gm.print_readable(print_output=False)))
+        self.graphs.append(StageGraph(self.graph_id, stage, pass_name, gm))
 
     def keep_final(self, stage: str, gm: torch.fx.GraphModule) -> None:
         """Keep a copy of the graph our passes produced: the inner compiler (Inductor's post-grad

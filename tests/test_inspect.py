@@ -208,6 +208,24 @@ def test_graph_after_each_pass_and_diff(explained):
         report.diff("forward", "input")
 
 
+def test_pass_snapshots_render_the_graph_as_it_was():
+    """A snapshot renders its code when first read, from a copy taken when it was recorded: a pass that
+    changes the graph in place afterwards changes neither the snapshot's text nor its reading."""
+    from fp4compile.sites import StageGraph
+
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    before = gm.print_readable(print_output=False)
+    snap = StageGraph(0, "forward", "input", gm)
+    relu = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "1")
+    with gm.graph.inserting_after(relu):
+        neg = gm.graph.call_function(torch.neg, (relu,))
+    relu.replace_all_uses_with(neg, delete_user_cb=lambda user: user is not neg)
+    gm.recompile()
+    assert "torch.neg" in gm.print_readable(print_output=False)
+    assert snap.code == before
+    assert snap.code is snap.code  # rendered once
+
+
 def test_print_ir_after_a_pass_while_compiling(capsys, monkeypatch):
     torch._dynamo.reset()
     model = MLPStack(3)
