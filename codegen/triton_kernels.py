@@ -268,8 +268,9 @@ if triton is not None:
         value = (rounded.to(tl.uint32, bitcast=True) | (sign << 28)).to(tl.float32, bitcast=True)
         return idx | sign, value
 
-    # Outside Triton's interpreter (which has no directed-rounding additions) stochastic rounding takes
-    # m + 1 rounded upward for the ceiling below 1: one fp32 addition instead of a float-to-int conversion.
+    # Outside Triton's interpreter (which has no directed-rounding additions) the kernels that write
+    # decoded values take SR's ceiling below 1 as m + 1 rounded upward: one fp32 addition instead of a
+    # float-to-int conversion (``_e2m1_sr``).
     _ADD_RU = tl.constexpr(not _interpreting())
 
     @_jit()
@@ -360,8 +361,8 @@ if triton is not None:
 
     @_jit()
     def _sr_row_bits(rows, pid_k, K, BLOCK_K: tl.constexpr, seed_lo, seed_hi):
-        """The random draws (``_sr_draws``) of the [rows, BLOCK_K] tile at column block pid_k of a row-major [.., K] tensor (K
-        even): pair index (row K + col) / 2."""
+        """The random draws (``_sr_draws``) of the [rows, BLOCK_K] tile at column block pid_k of a row-major
+        [.., K] tensor (K even): pair index (row K + col) / 2."""
         pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         return _sr_pair_bits(rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], 0, seed_lo, seed_hi)
 

@@ -137,6 +137,12 @@ class GemmSite:
         return "*".join(str(d) for d in dims)
 
 
+def _attribute(module: torch.nn.Module, target: str):
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module
+
+
 class StageGraph:
     """A snapshot of a graph after a pass: ``stage`` is "dynamo", "forward" or "backward"; ``code`` is the
     graph's readable code (``GraphModule.print_readable``).
@@ -150,21 +156,21 @@ class StageGraph:
         self.graph_id = graph_id
         self.stage = stage
         self.pass_name = pass_name
-        self._root = gm
         self._graph = copy_graph(gm.graph)
+        # The attributes and submodules the graph's nodes name, as they are now (not the module itself: a
+        # later pass or the inner compiler may change it).
+        self._attrs = {
+            n.target: _attribute(gm, n.target) for n in self._graph.nodes if n.op in ("get_attr", "call_module")
+        }
+        self._class_name = type(gm).__name__
         self._code: Optional[str] = None
 
     @property
     def code(self) -> str:
         if self._code is None:
-            try:
-                module = torch.fx.GraphModule(self._root, self._graph, class_name=type(self._root).__name__)
-            except AttributeError:
-                # A later pass removed an attribute the snapshot's get_attr nodes name: the bare code.
-                self._code = self._graph.python_code(root_module="self").src
-            else:
-                self._code = module.print_readable(print_output=False)
-            self._root = self._graph = None
+            module = torch.fx.GraphModule(self._attrs, self._graph, class_name=self._class_name)
+            self._code = module.print_readable(print_output=False)
+            self._graph = self._attrs = None
         return self._code
 
     def __repr__(self) -> str:
