@@ -137,12 +137,6 @@ class GemmSite:
         return "*".join(str(d) for d in dims)
 
 
-def _attribute(module: torch.nn.Module, target: str):
-    for name in target.split("."):
-        module = getattr(module, name)
-    return module
-
-
 class StageGraph:
     """A snapshot of a graph after a pass: ``stage`` is "dynamo", "forward" or "backward"; ``code`` is the
     graph's readable code (``GraphModule.print_readable``).
@@ -160,7 +154,7 @@ class StageGraph:
         # The attributes and submodules the graph's nodes name, as they are now (not the module itself: a
         # later pass or the inner compiler may change it).
         self._attrs = {
-            n.target: _attribute(gm, n.target) for n in self._graph.nodes if n.op in ("get_attr", "call_module")
+            n.target: operator.attrgetter(n.target)(gm) for n in self._graph.nodes if n.op in ("get_attr", "call_module")
         }
         self._class_name = type(gm).__name__
         self._code: Optional[str] = None
