@@ -32,23 +32,30 @@ FLT_MAX = torch.finfo(torch.float32).max
 
 # Launch configurations tried per kernel (the first is the module's default).
 SWEEPS = {
-    "quantize_rows": [dict(BLOCK_M=32, BLOCK_K=256, num_warps=8), dict(BLOCK_M=64, BLOCK_K=256, num_warps=8)],
+    "quantize_rows": [
+        dict(BLOCK_M=32, BLOCK_K=256, num_warps=8), dict(BLOCK_M=64, BLOCK_K=256, num_warps=8),
+        dict(BLOCK_M=32, BLOCK_K=256, num_warps=8, maxnreg=48), dict(BLOCK_M=32, BLOCK_K=256, num_warps=8, maxnreg=40),
+    ],
     "fake_rows": [
         dict(BLOCK_M=16, BLOCK_K=256, num_warps=8, K_FIRST=True), dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
         dict(BLOCK_M=32, BLOCK_K=128, num_warps=8, K_FIRST=True),
+        dict(BLOCK_M=16, BLOCK_K=256, num_warps=8, K_FIRST=True, maxnreg=32),
     ],
     "rht_amax": [
         dict(BLOCK_M=32, BLOCK_K=128, ITERS=4, num_warps=2, K_FIRST=True), dict(BLOCK_M=128, BLOCK_K=64, ITERS=4, num_warps=4),
         dict(BLOCK_M=64, BLOCK_K=128, ITERS=4, num_warps=4, K_FIRST=True),
+        dict(BLOCK_M=32, BLOCK_K=128, ITERS=4, num_warps=2, K_FIRST=True, maxnreg=96),
     ],
     "rht_quantize": [
         dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=128, BLOCK_K=64, num_warps=4),
         dict(BLOCK_M=64, BLOCK_K=128, num_warps=4), dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
         dict(BLOCK_M=128, BLOCK_K=128, num_warps=8),
+        dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, maxnreg=80), dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, maxnreg=64),
     ],
     "dual_quantize": [
         dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, K_FIRST=True), dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
         dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, K_FIRST=True),
+        dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, K_FIRST=True, maxnreg=64),
     ],
     "rht_quantize_mx": [
         dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),

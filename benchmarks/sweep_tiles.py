@@ -4,7 +4,8 @@
 [16384, K] tensors with K of 1024, 3072 and 4096, where the best tile and program order can differ.
 For each kernel the step launches and each shape, this script times the default configuration
 (``triton_kernels.CONFIGS``) and each alternative below, after checking that the alternative gives the
-default's bits (codes, decoded values and amaxes: a tile only changes which program computes what).
+default's bits (codes, decoded values and amaxes: a tile only changes which program computes what), and
+the default under register caps (``maxnreg``).
 Times are medians of ``triton.testing.do_bench``.
 
     python benchmarks/sweep_tiles.py --out sweep.json
@@ -31,6 +32,12 @@ def _same(a, b) -> bool:
     return all(torch.equal(p, q) for p, q in zip(_bits(a), _bits(b)))
 
 
+def capped(tk, key, *caps):
+    """The default configuration of ``key`` under each register cap (``maxnreg``): more programs resident
+    per SM, at the risk of spills."""
+    return [dict(tk.CONFIGS[key], maxnreg=cap) for cap in caps]
+
+
 def sweeps(tk):
     """(label, CONFIGS key, function of x, alternatives)."""
     amaxes = {}
@@ -45,7 +52,7 @@ def sweeps(tk):
         ("wgrad_amax", "rht_amax", tk.wgrad_amax, [
             dict(BLOCK_M=bm, BLOCK_K=bk, ITERS=it, num_warps=w, K_FIRST=kf) for kf in (False, True)
             for bm, bk, it, w in ((128, 64, 4, 4), (64, 128, 4, 4), (64, 128, 1, 4), (64, 64, 2, 4), (32, 128, 4, 2))
-        ]),
+        ] + capped(tk, "rht_amax", 96, 80)),
         ("global_amax", "amax", tk.global_amax, [
             dict(BLOCK=b, ITERS=i, num_warps=w) for b, i, w in ((4096, 4, 8), (2048, 8, 4), (8192, 4, 8))
         ]),
@@ -53,17 +60,17 @@ def sweeps(tk):
          lambda x: tk.fake_quantize_dual(x, "sr", 11, given("t", x)[0], "sr", 12, given("t", x)[1]), [
             dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, K_FIRST=False), dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
             dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, K_FIRST=True), dict(BLOCK_M=128, BLOCK_K=64, num_warps=4),
-         ]),
+         ] + capped(tk, "dual_quantize", 64, 56)),
         ("fake_rht rne (given amax)", "rht_quantize",
          lambda x: tk.fake_quantize_wgrad_operand(x, "rne", None, amax=given("t", x)[1], amax_is_own=True), [
             dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, K_FIRST=True), dict(BLOCK_M=64, BLOCK_K=128, num_warps=4, K_FIRST=True),
             dict(BLOCK_M=128, BLOCK_K=64, num_warps=4, K_FIRST=True), dict(BLOCK_M=128, BLOCK_K=64, num_warps=4),
-         ]),
+         ] + capped(tk, "rht_quantize", 48)),
         ("fake_rows rne (given amax)", "fake_rows",
          lambda x: tk.fake_quantize_1x16(x, "rne", None, amax=given("x", x), amax_is_own=True), [
             dict(BLOCK_M=32, BLOCK_K=256, num_warps=8), dict(BLOCK_M=32, BLOCK_K=256, num_warps=8, K_FIRST=True),
             dict(BLOCK_M=16, BLOCK_K=256, num_warps=8), dict(BLOCK_M=32, BLOCK_K=128, num_warps=8, K_FIRST=True),
-         ]),
+         ] + capped(tk, "fake_rows", 32)),
     ]
 
 

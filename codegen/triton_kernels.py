@@ -178,6 +178,11 @@ if triton is not None:
         return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
     @_jit()
+    def _max_nan(a, b):
+        """Maximum that returns NaN where either operand is NaN (a reduction's combine function)."""
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @_jit()
     def _encode_scale(amax):
         """(S_enc, S_dec) from the global amax: min(2688/amax, FLT_MAX), 1 where amax or S_enc is 0.
 
@@ -207,11 +212,22 @@ if triton is not None:
         value = tl.where(normal, (rounded << 20).to(tl.float32, bitcast=True), steps * 0.001953125)
         return code, tl.where(nan, f, value)
 
+    # Where the kernels are compiled for a GPU, block scales are converted to E4M3 by the hardware
+    # (Triton's fp32 -> float8e4nv conversion); its interpreter takes the bit-level path (``_e4m3``).
+    _HW_E4M3 = tl.constexpr(not _interpreting())
+
     @_jit()
     def _block_scale(bamax, s_enc, s_dec):
         """(E4M3 scale code, its fp32 value, the fp32 encode factor) for block maxima >= 0 or NaN."""
-        sf32 = bamax * (s_enc * _ONE_SIXTH)
-        code, value = _e4m3(tl.where(sf32 > 448.0, 448.0, sf32))
+        sf32 = tl.where(bamax * (s_enc * _ONE_SIXTH) > 448.0, 448.0, bamax * (s_enc * _ONE_SIXTH))
+        if _HW_E4M3:
+            # The hardware conversion (sm_89 and later: cvt.rn.satfinite.e4m3x2.f32, nearest even,
+            # subnormals kept, NaN to 0x7F) and its exact inverse.
+            fp8 = sf32.to(tl.float8e4nv)
+            code = fp8.to(tl.uint8, bitcast=True)
+            value = tl.where(sf32 != sf32, sf32, fp8.to(tl.float32))
+        else:
+            code, value = _e4m3(sf32)
         enc = tl.math.div_rn(1.0, value * s_dec)
         return code, value, tl.where(enc > _FLT_MAX, _FLT_MAX, enc)
 
@@ -449,56 +465,78 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @_jit()
-    def _half_block_word(xh, enc, keep, start, seed_lo, seed_hi, sf, bd_ptr, mask,
-                         SR: tl.constexpr, FAKE: tl.constexpr):
-        """Codes of [G, 8] half blocks (x * enc, 0 where the block is not ``keep``) whose first elements have
-        the flat indices ``start`` ([G] int64), one uint32 per half block with element j in nibble j; with
-        FAKE, stores value * sf as bf16 at those indices instead."""
-        v = xh * enc[:, None]
-        if SR:
-            # start is a multiple of 8: the half block's four pairs share its pair index's high bits.
-            rand = _sr_pair_bits((start >> 1)[:, None], tl.arange(0, 4)[None, :], seed_lo, seed_hi)
+    def _load_half_pairs(x_ptr, rows, kb, half: tl.constexpr, stride_xm, ok):
+        """Elements (2 j, 2 j + 1), j < 4, of the first (half 0) or second half of the 16-element blocks
+        kb of rows ``rows`` ([G] each): two [G, 4] fp32 tensors, the even and the odd elements. Bf16 is
+        read as 32-bit words (one 16-byte load per half block), each holding a pair: the even element is
+        the word shifted up 16 bits, the odd one the word's high half, one integer operation per element
+        (the launcher keeps the row stride of bf16 inputs even)."""
+        if x_ptr.dtype.element_ty == tl.bfloat16:
+            words = x_ptr.to(tl.pointer_type(tl.uint32))
+            start = rows.to(tl.int64) * (stride_xm // 2) + kb * 8 + half * 4
+            w = tl.load(words + start[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0)
+            even = (w << 16).to(tl.float32, bitcast=True)
+            odd = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
         else:
-            rand = 0
-        code, value = _e2m1(v, rand, SR, FAKE)
+            start = rows.to(tl.int64) * stride_xm + kb * 16 + half * 8
+            x = tl.load(x_ptr + start[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=0.0)
+            even, odd = tl.split(tl.reshape(x.to(tl.float32), (x.shape[0], 4, 2)))
+        return even, odd
+
+    @_jit()
+    def _half_block_codes(even, odd, enc, keep, start, seed_lo, seed_hi, sf, bd_ptr, mask,
+                          SR: tl.constexpr, FAKE: tl.constexpr):
+        """Codes of [G, 8] half blocks, given as their even and odd elements ([G, 4] each, x; v = x * enc,
+        code 0 where the block is not ``keep``) whose first elements have the flat indices ``start`` ([G]
+        int64, multiples of 8): one uint32 per half block, element j in nibble j; with FAKE, stores
+        value * sf at those indices instead."""
+        if SR:
+            # Pair index start / 2 + j: start / 2 is a multiple of 4.
+            r_even, r_odd = _sr_draws(_sr_word((start >> 1)[:, None], tl.arange(0, 4)[None, :], seed_lo, seed_hi))
+        else:
+            r_even, r_odd = 0, 0
+        c_even, v_even = _e2m1(even * enc[:, None], r_even, SR, FAKE)
+        c_odd, v_odd = _e2m1(odd * enc[:, None], r_odd, SR, FAKE)
         if FAKE:
-            bd = (value * sf[:, None]).to(bd_ptr.dtype.element_ty)
-            tl.store(bd_ptr + start[:, None] + tl.arange(0, 8)[None, :], bd, mask=mask[:, None])
-        code = tl.where(keep[:, None], code, 0)
-        return tl.sum(code << (tl.arange(0, 8) * 4)[None, :], axis=1)  # disjoint nibbles: the sum is an OR
+            bd = tl.reshape(tl.join(v_even * sf[:, None], v_odd * sf[:, None]), (even.shape[0], 8))
+            tl.store(bd_ptr + start[:, None] + tl.arange(0, 8)[None, :], bd.to(bd_ptr.dtype.element_ty),
+                     mask=mask[:, None])
+        pair = tl.where(keep[:, None], c_even | (c_odd << 4), 0)  # a byte per pair, element 2 j low
+        return tl.sum(pair << (tl.arange(0, 4) * 8)[None, :], axis=1)  # disjoint bytes: the sum is an OR
 
     @_jit()
     def _quantize_blocks_tile(
         x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
         SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        """1x16 blocks of a [BLOCK_M, BLOCK_K] tile, held as two [blocks, 8] tensors (the first and the
-        second half of every block, two 16-byte loads), so each thread holds whole blocks: the block
-        maximum, scale and encode factor are computed once per block and no data moves between threads."""
+        """1x16 blocks of a [BLOCK_M, BLOCK_K] tile, held as the even and odd elements of the first and the
+        second half of every block (``_load_half_pairs``, two 16-byte loads), so each thread holds whole
+        blocks: the block maximum, scale and encode factor are computed once per block, no data moves
+        between threads, and the two elements of a pair, which share one SR word and one byte of codes,
+        sit side by side."""
         NB: tl.constexpr = BLOCK_K // 16
         g = tl.arange(0, BLOCK_M * NB)
         rows = pid_m * BLOCK_M + g // NB
         kb = pid_k * NB + g % NB
         ok = (rows < M) & (kb < K // 16)
-        e8 = tl.arange(0, 8)[None, :]
-        start = rows.to(tl.int64) * stride_xm + kb * 16
-        lo = tl.load(x_ptr + start[:, None] + e8, mask=ok[:, None], other=0.0).to(tl.float32)
-        hi = tl.load(x_ptr + (start + 8)[:, None] + e8, mask=ok[:, None], other=0.0).to(tl.float32)
-        bits = tl.max(tl.maximum(_abs_bits(lo), _abs_bits(hi)), axis=1)
+        e0, o0 = _load_half_pairs(x_ptr, rows, kb, 0, stride_xm, ok)
+        e1, o1 = _load_half_pairs(x_ptr, rows, kb, 1, stride_xm, ok)
+        # The block maximum of |x|; NaN wins (as in the integer order of the bits).
+        bamax = tl.reduce(_max_nan(_max_nan(tl.abs(e0), tl.abs(o0)), _max_nan(tl.abs(e1), tl.abs(o1))), 1, _max_nan)
         s_enc, s_dec = _encode_scale(amax)
-        sf_code, sf, enc = _block_scale(bits.to(tl.float32, bitcast=True), s_enc, s_dec)
+        sf_code, sf, enc = _block_scale(bamax, s_enc, s_dec)
         # NaN has no E2M1 code: blocks whose encode factor is NaN (the only ones where v can be NaN) get 0.
         keep = enc == enc
         flat = rows.to(tl.int64) * K + kb * 16  # flat index of each block's first element
-        w_lo = _half_block_word(lo, enc, keep, flat, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
-        w_hi = _half_block_word(hi, enc, keep, flat + 8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
+        w_lo = _half_block_codes(e0, o0, enc, keep, flat, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
+        w_hi = _half_block_codes(e1, o1, enc, keep, flat + 8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
         if not FAKE:
             # A block's 16 codes as one 8-byte store (little-endian: the first half block's word first), so a
             # warp's stores cover whole sectors in one instruction.
             blocks = data_ptr.to(tl.pointer_type(tl.uint64))
             tl.store(blocks + flat // 16, (w_hi.to(tl.uint64) << 32) | w_lo.to(tl.uint64), mask=ok)
             _store_scales(scales_ptr, sf_code, rows, kb, K // 16, ok, SWIZZLE)
-        return tl.max(bits, axis=0)
+        return tl.max(bamax.to(tl.int32, bitcast=True), axis=0)
 
     @_jit()
     def _quantize_rows_tile(
@@ -657,12 +695,13 @@ if triton is not None:
 
     @_jit()
     def _amax16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
-        """Elementwise max of the |a_i| bits (int32; NaN sorts above Inf)."""
-        m0 = tl.maximum(tl.maximum(_abs_bits(a0), _abs_bits(a1)), tl.maximum(_abs_bits(a2), _abs_bits(a3)))
-        m1 = tl.maximum(tl.maximum(_abs_bits(a4), _abs_bits(a5)), tl.maximum(_abs_bits(a6), _abs_bits(a7)))
-        m2 = tl.maximum(tl.maximum(_abs_bits(a8), _abs_bits(a9)), tl.maximum(_abs_bits(a10), _abs_bits(a11)))
-        m3 = tl.maximum(tl.maximum(_abs_bits(a12), _abs_bits(a13)), tl.maximum(_abs_bits(a14), _abs_bits(a15)))
-        return tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
+        """Bits (int32) of the elementwise max of the |a_i|, NaN where any is NaN: one float maximum per
+        element (the absolute values are operand modifiers), whose bits order as ``_abs_bits`` does."""
+        m0 = _max_nan(_max_nan(tl.abs(a0), tl.abs(a1)), _max_nan(tl.abs(a2), tl.abs(a3)))
+        m1 = _max_nan(_max_nan(tl.abs(a4), tl.abs(a5)), _max_nan(tl.abs(a6), tl.abs(a7)))
+        m2 = _max_nan(_max_nan(tl.abs(a8), tl.abs(a9)), _max_nan(tl.abs(a10), tl.abs(a11)))
+        m3 = _max_nan(_max_nan(tl.abs(a12), tl.abs(a13)), _max_nan(tl.abs(a14), tl.abs(a15)))
+        return _max_nan(_max_nan(m0, m1), _max_nan(m2, m3)).to(tl.int32, bitcast=True)
 
     @_jit()
     def _rht_tile(
@@ -1037,7 +1076,10 @@ def _require_triton() -> None:
 
 
 def _launch_options(cfg: dict) -> dict:
-    return {"num_warps": cfg["num_warps"], "enable_fp_fusion": False}
+    options = {"num_warps": cfg["num_warps"], "enable_fp_fusion": False}
+    if cfg.get("maxnreg"):  # a register cap (more programs resident per SM, spills if set too low)
+        options["maxnreg"] = cfg["maxnreg"]
+    return options
 
 
 # Launches, and plans of them. ``codegen.precompile`` runs a graph's ops with launches planned instead
@@ -1104,6 +1146,10 @@ def _as_rows(x: torch.Tensor, what: str, rows_multiple: int = 1, cols_multiple: 
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    # The 1x16 kernels read bf16 rows as 32-bit words: every row must start on one (an aligned start
+    # and an even row stride); a view that does not is copied.
+    if x2.dtype == torch.bfloat16 and (x2.data_ptr() % 4 or (x2.shape[0] > 1 and x2.stride(0) % 2)):
+        x2 = x2.clone(memory_format=torch.contiguous_format)
     if x2.shape[0] % rows_multiple:
         raise ValueError(f"{what}: {x2.shape[0]} rows (shape {tuple(x.shape)}) is not a multiple of {rows_multiple}")
     if x2.numel() == 0:

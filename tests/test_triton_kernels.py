@@ -126,6 +126,21 @@ def test_quantize_1x16_batched_and_strided():
     assert_same_quantization(data, scales, amax, formats.quantize(wide[:, 32:96]))
 
 
+@pytest.mark.parametrize("fake", [False, True])
+def test_quantize_1x16_bf16_rows_off_word_boundaries(fake):
+    # bf16 rows are read as 32-bit words: an odd row stride or a start halfway into a word is copied
+    # first, not read misaligned.
+    wide = sample((24, 97), torch.bfloat16, seed=6)
+    for view in (wide[:, 1:65], wide[:, 2:66], wide.flatten()[1:1 + 24 * 64].view(24, 64)):
+        ref = formats.quantize(view.contiguous(), rounding="sr", seed=11)
+        if fake:
+            out = tk.fake_quantize_1x16(view.to(DEVICE) if CUDA else view, "sr", seed=11)[0]
+            assert torch.equal(out.cpu(), formats.block_decode(ref).to(torch.bfloat16))
+        else:
+            data, scales, amax = tk.quantize_1x16(view.to(DEVICE) if CUDA else view, "sr", seed=11)
+            assert_same_quantization(data, scales, amax, ref)
+
+
 @pytest.mark.parametrize("rounding", ["rne", "sr"])
 def test_quantize_1x16_swizzled(rounding):
     x = sample((130, 80), torch.bfloat16, seed=4)  # padded to 256 x 8 scales
