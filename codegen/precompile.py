@@ -15,7 +15,9 @@ for the pending compiles, so none compiles twice. A launch the plan did not fore
 misaligned at run time, say) compiles when it is made, as it did before: the warm-up changes when
 kernels compile, never what runs.
 
-``FP4COMPILE_PRECOMPILE=0`` turns it off.
+``FP4COMPILE_PRECOMPILE=0`` turns it off; ``FP4COMPILE_PRECOMPILE_THREADS=N`` sets the pool's size
+(default ``min(8, CPUs - 1)``). Triton's front end (the kernel's source to its first IR) is Python and
+holds the GIL, which Inductor's compile in the launching thread needs too: fewer threads leave it more.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from . import triton_kernels
 log = logging.getLogger("fp4compile")
 
 ENV = "FP4COMPILE_PRECOMPILE"
+THREADS_ENV = "FP4COMPILE_PRECOMPILE_THREADS"
 
 # The ops whose implementations launch only Triton kernels and torch operations; fp4.scaled_mm only
 # with the emulation kernel (a CUTLASS kernel is built and run by its own code, which a plan must not do).
@@ -66,11 +69,25 @@ def enabled() -> bool:
     return runtime.env_flag(ENV, True)
 
 
+def pool_size() -> int:
+    """Threads compiling in the background: ``FP4COMPILE_PRECOMPILE_THREADS``, else min(8, CPUs - 1)."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if value:
+        try:
+            size = int(value)
+        except ValueError:
+            size = 0
+        if size < 1:
+            raise ValueError(f"{THREADS_ENV}={value!r}: expected a whole number of threads, 1 or more")
+        return size
+    return max(1, min(8, (os.cpu_count() or 2) - 1))
+
+
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            workers = max(1, min(8, (os.cpu_count() or 2) - 1))
+            workers = pool_size()
             _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fp4compile-precompile")
         return _pool
 

@@ -68,11 +68,13 @@ def test_plan_on_fake_tensors_names_the_real_launches(shape):
     amax = lambda x: x.float().abs().amax()  # noqa: E731
     amax_t = lambda x: x.float().abs().amax() * 2  # noqa: E731
     m, k = shape
-    real = torch.randn(m * k + 1, dtype=torch.bfloat16, device=DEVICE)
+    real = torch.randn(m * k + 2, dtype=torch.bfloat16, device=DEVICE)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        fake = torch.empty(m * k + 1, dtype=torch.bfloat16, device=DEVICE)
-    views = lambda t: (t[:-1].view(m, k), t[1:].view(m, k))  # noqa: E731  (the second starts 2 bytes in)
+        fake = torch.empty(m * k + 2, dtype=torch.bfloat16, device=DEVICE)
+    # The second starts 4 bytes in: on a 32-bit word, as the 1x16 kernels read bf16 (a view starting
+    # halfway into a word is copied first), but not 16-byte aligned.
+    views = lambda t: (t[:-2].view(m, k), t[2:].view(m, k))  # noqa: E731
     for x, x_fake in zip(views(real), views(fake)):
         for call in calls(amax, amax_t, seed):
             expected = [specialization(launch) for launch in planned(call, x)]
@@ -117,6 +119,17 @@ def test_ops_expose_their_implementations():
     assert ops.implementation(torch.ops.fp4.fake_dual_quantize.default).__name__ == "fake_dual_quantize"
     assert ops.implementation(torch.ops.aten.mm.default) is None
     assert all(name in ops._IMPLEMENTATIONS for name in precompile.PLANNED_OPS)
+
+
+def test_pool_size_from_the_environment(monkeypatch):
+    monkeypatch.delenv(precompile.THREADS_ENV, raising=False)
+    assert precompile.pool_size() == max(1, min(8, (os.cpu_count() or 2) - 1))
+    monkeypatch.setenv(precompile.THREADS_ENV, "2")
+    assert precompile.pool_size() == 2
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv(precompile.THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=precompile.THREADS_ENV):
+            precompile.pool_size()
 
 
 @pytest.mark.skipif(CUDA, reason="the no-GPU case")

@@ -999,7 +999,9 @@ def test_kernels_compile_for_hopper_with_whole_blocks_per_thread():
     # decoded-output 1x16 form runs at a tile measured faster at the training step's shapes, 16 elements
     # per thread, which spreads each thread's fixed work over fewer elements: 27.0 (21.2 at 32). The layout
     # that spread blocks measured 30, 60, 63, 94, 26, one hash per element 57 and 69 for SR, and SR through
-    # the grid neighbours in floating point 47 and 59.
+    # the grid neighbours in floating point 47 and 59. Reading bf16 1x16 blocks as pair words, their block
+    # maxima as float maxima and the hardware E4M3 conversion of scales (decoded RHT form and 1x16 only)
+    # took the 1x16 forms to 23.0, 32.5 and 26.0 and the dual launch to 70.2.
     import subprocess
     import sys
 
@@ -1011,8 +1013,8 @@ def test_kernels_compile_for_hopper_with_whole_blocks_per_thread():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     per_element = {line.split()[0]: float(line.split()[-1]) for line in out.stdout.splitlines()[1:]}
-    bounds = {"rows_rne": 27, "rht_rne": 40, "rows_sr": 37, "rht_sr": 50, "rows_rne_fake": 29, "rht_rne_fake": 37,
-              "dual_sr_fake": 76, "wgrad_amax": 14.5}
+    bounds = {"rows_rne": 25, "rht_rne": 40, "rows_sr": 35, "rht_sr": 50, "rows_rne_fake": 28, "rht_rne_fake": 37,
+              "dual_sr_fake": 74, "wgrad_amax": 14.5}
     assert set(per_element) == set(bounds), out.stdout
     for name, bound in bounds.items():
         assert per_element[name] <= bound, (name, per_element[name], out.stdout)
