@@ -219,7 +219,8 @@ if triton is not None:
     @_jit()
     def _block_scale(bamax, s_enc, s_dec, HW: tl.constexpr = True):
         """(E4M3 scale code, its fp32 value, the fp32 encode factor) for block maxima >= 0 or NaN."""
-        sf32 = tl.where(bamax * (s_enc * _ONE_SIXTH) > 448.0, 448.0, bamax * (s_enc * _ONE_SIXTH))
+        sf32 = bamax * (s_enc * _ONE_SIXTH)
+        sf32 = tl.where(sf32 > 448.0, 448.0, sf32)
         if _HW_E4M3 and HW:
             # The hardware conversion (sm_89 and later: cvt.rn.satfinite.e4m3x2.f32, nearest even,
             # subnormals kept, NaN to 0x7F) and its exact inverse.
@@ -470,7 +471,7 @@ if triton is not None:
         kb of rows ``rows`` ([G] each): two [G, 4] fp32 tensors, the even and the odd elements. Bf16 is
         read as 32-bit words (one 16-byte load per half block), each holding a pair: the even element is
         the word shifted up 16 bits, the odd one the word's high half, one integer operation per element
-        (the launcher keeps the row stride of bf16 inputs even)."""
+        (``_as_rows`` copies a bf16 view whose rows do not start on a word)."""
         if x_ptr.dtype.element_ty == tl.bfloat16:
             words = x_ptr.to(tl.pointer_type(tl.uint32))
             start = rows.to(tl.int64) * (stride_xm // 2) + kb * 8 + half * 4
