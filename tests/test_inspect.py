@@ -226,6 +226,28 @@ def test_pass_snapshots_render_the_graph_as_it_was():
     assert snap.code is snap.code  # rendered once
 
 
+def test_pass_snapshots_render_what_a_copy_of_the_graph_renders(monkeypatch):
+    """Every snapshot of a compile (dynamo, forward and backward graphs, all passes) renders the text that
+    ``copy_graph`` of the graph at that point renders: the compact record loses nothing."""
+    from fp4compile import sites
+
+    expected = []
+    record = sites.CompileContext.record
+
+    def record_and_render(self, stage, pass_name, gm):
+        copy = torch.fx.GraphModule(gm, sites.copy_graph(gm.graph), class_name=type(gm).__name__)
+        expected.append(copy.print_readable(print_output=False))
+        record(self, stage, pass_name, gm)
+
+    monkeypatch.setattr(sites.CompileContext, "record", record_and_render)
+    torch._dynamo.reset()
+    backend = Backend(inner="eager")
+    torch.compile(MLPStack(3), backend=backend)(torch.randn(2, 16, 16)).sum().backward()
+    codes = [g.code for g in backend.report.graphs]
+    assert len(codes) == len(expected) > 10 and {g.stage for g in backend.report.graphs} == {"dynamo", "forward", "backward"}
+    assert codes == expected
+
+
 def test_print_ir_after_a_pass_while_compiling(capsys, monkeypatch):
     torch._dynamo.reset()
     model = MLPStack(3)
