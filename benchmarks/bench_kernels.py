@@ -30,33 +30,34 @@ SEED = 0x0123456789ABCDEF
 NODE = 0x2545F4914F6CDD1D  # a quantize node's constant, for the device-seed cases (what fp4.quantize passes on CUDA)
 FLT_MAX = torch.finfo(torch.float32).max
 
+
+def with_caps(configs: list, *caps: int) -> list:
+    """``configs`` and then the first of them (the module's default) under each register cap (``maxnreg``)."""
+    return configs + [dict(configs[0], maxnreg=cap) for cap in caps]
+
+
 # Launch configurations tried per kernel (the first is the module's default).
 SWEEPS = {
-    "quantize_rows": [
-        dict(BLOCK_M=32, BLOCK_K=256, num_warps=8), dict(BLOCK_M=64, BLOCK_K=256, num_warps=8),
-        dict(BLOCK_M=32, BLOCK_K=256, num_warps=8, maxnreg=48), dict(BLOCK_M=32, BLOCK_K=256, num_warps=8, maxnreg=40),
-    ],
-    "fake_rows": [
+    "quantize_rows": with_caps(
+        [dict(BLOCK_M=32, BLOCK_K=256, num_warps=8), dict(BLOCK_M=64, BLOCK_K=256, num_warps=8)], 48, 40
+    ),
+    "fake_rows": with_caps([
         dict(BLOCK_M=16, BLOCK_K=256, num_warps=8, K_FIRST=True), dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
         dict(BLOCK_M=32, BLOCK_K=128, num_warps=8, K_FIRST=True),
-        dict(BLOCK_M=16, BLOCK_K=256, num_warps=8, K_FIRST=True, maxnreg=32),
-    ],
-    "rht_amax": [
+    ], 32),
+    "rht_amax": with_caps([
         dict(BLOCK_M=32, BLOCK_K=128, ITERS=4, num_warps=2, K_FIRST=True), dict(BLOCK_M=128, BLOCK_K=64, ITERS=4, num_warps=4),
         dict(BLOCK_M=64, BLOCK_K=128, ITERS=4, num_warps=4, K_FIRST=True),
-        dict(BLOCK_M=32, BLOCK_K=128, ITERS=4, num_warps=2, K_FIRST=True, maxnreg=96),
-    ],
-    "rht_quantize": [
+    ], 96),
+    "rht_quantize": with_caps([
         dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=128, BLOCK_K=64, num_warps=4),
         dict(BLOCK_M=64, BLOCK_K=128, num_warps=4), dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
         dict(BLOCK_M=128, BLOCK_K=128, num_warps=8),
-        dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, maxnreg=80), dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, maxnreg=64),
-    ],
-    "dual_quantize": [
+    ], 80, 64),
+    "dual_quantize": with_caps([
         dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, K_FIRST=True), dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
         dict(BLOCK_M=32, BLOCK_K=128, num_warps=4, K_FIRST=True),
-        dict(BLOCK_M=64, BLOCK_K=64, num_warps=4, K_FIRST=True, maxnreg=64),
-    ],
+    ], 64),
     "rht_quantize_mx": [
         dict(BLOCK_M=64, BLOCK_K=64, num_warps=4), dict(BLOCK_M=32, BLOCK_K=128, num_warps=4),
         dict(BLOCK_M=64, BLOCK_K=128, num_warps=4),

@@ -471,7 +471,7 @@ if triton is not None:
         kb of rows ``rows`` ([G] each): two [G, 4] fp32 tensors, the even and the odd elements. Bf16 is
         read as 32-bit words (one 16-byte load per half block), each holding a pair: the even element is
         the word shifted up 16 bits, the odd one the word's high half, one integer operation per element
-        (``_as_rows`` copies a bf16 view whose rows do not start on a word)."""
+        (``_as_rows(..., pair_words=True)`` copies a bf16 view whose rows do not start on a word)."""
         if x_ptr.dtype.element_ty == tl.bfloat16:
             words = x_ptr.to(tl.pointer_type(tl.uint32))
             start = rows.to(tl.int64) * (stride_xm // 2) + kb * 8 + half * 4
@@ -1137,8 +1137,11 @@ def _tiles(cfg: dict, m_tiles: int, k_tiles: int) -> tuple[tuple[int, int], dict
     return ((k_tiles, m_tiles) if k_first else (m_tiles, k_tiles)), {"K_FIRST": k_first}
 
 
-def _as_rows(x: torch.Tensor, what: str, rows_multiple: int = 1, cols_multiple: int = 16) -> torch.Tensor:
-    """x as a 2-D [rows, K] tensor with unit stride along K (a view where possible)."""
+def _as_rows(
+    x: torch.Tensor, what: str, rows_multiple: int = 1, cols_multiple: int = 16, pair_words: bool = False
+) -> torch.Tensor:
+    """x as a 2-D [rows, K] tensor with unit stride along K (a view where possible); with ``pair_words``
+    (the 1x16 tile, ``_load_half_pairs``), bf16 rows that each start on a 32-bit word."""
     if x.dtype not in _INPUT_DTYPES:
         raise TypeError(f"{what} takes float32, bfloat16 or float16 tensors, got {x.dtype} of shape {tuple(x.shape)}")
     if x.dim() < 1 or x.shape[-1] % cols_multiple:
@@ -1148,10 +1151,11 @@ def _as_rows(x: torch.Tensor, what: str, rows_multiple: int = 1, cols_multiple: 
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    # The 1x16 kernels read bf16 rows as 32-bit words: every row must start on one (an even offset into
+    # The 1x16 tile reads bf16 rows as 32-bit words: every row must start on one (an even offset into
     # its storage, whose start the allocators align, and an even row stride); a view that does not is
     # copied. (The offset, not the address: the ops also run on fake tensors while they are traced.)
-    if x2.dtype == torch.bfloat16 and (x2.storage_offset() % 2 or (x2.shape[0] > 1 and x2.stride(0) % 2)):
+    odd = x2.storage_offset() % 2 or (x2.shape[0] > 1 and x2.stride(0) % 2)
+    if pair_words and x2.dtype == torch.bfloat16 and odd:
         x2 = x2.clone(memory_format=torch.contiguous_format)
     if x2.shape[0] % rows_multiple:
         raise ValueError(f"{what}: {x2.shape[0]} rows (shape {tuple(x.shape)}) is not a multiple of {rows_multiple}")
@@ -1274,7 +1278,7 @@ def _output_buffers(rows, cols, swizzle, fake, device):
 
 def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake, amax_is_own=False):
     _require_triton()
-    x2 = _as_rows(x, what, tile_rows)
+    x2 = _as_rows(x, what, tile_rows, pair_words=tile_rows == 1)
     m, k = x2.shape
     cfg = CONFIGS["quantize_tiles" if tile_rows > 1 else "fake_rows" if fake else "quantize_rows"]
     data, scales, bd = _output_buffers(m, k, swizzle, fake, x2.device)
@@ -1469,7 +1473,7 @@ def fake_quantize_dual(
     mostly from L2): a gradient dY quantized for dgrad and, with the RHT, for wgrad. ``amax`` and
     ``amax_t`` must be x's own (``wgrad_amax(x)``)."""
     _require_triton()
-    x2 = _as_rows(x, "fake_quantize_dual", rows_multiple=16)
+    x2 = _as_rows(x, "fake_quantize_dual", rows_multiple=16, pair_words=True)
     m, k = x2.shape
     cfg = CONFIGS["dual_quantize"]
     bd = torch.empty((m, k), dtype=torch.bfloat16, device=x2.device)

@@ -162,16 +162,15 @@ class StageGraph:
         self.stage = stage
         self.pass_name = pass_name
         ref = lambda n: _NodeRef(n.name)  # noqa: E731
-        self._nodes = [
-            (n.op, n.name, n.target, torch.fx.node.map_arg(n.args, ref), torch.fx.node.map_arg(n.kwargs, ref), n.type,
-             dict(n.meta))
-            for n in gm.graph.nodes
-        ]
+        self._nodes = []
         # The attributes and submodules the graph's nodes name, as they are now (not the module itself: a
         # later pass or the inner compiler may change it).
-        self._attrs = {
-            n.target: operator.attrgetter(n.target)(gm) for n in gm.graph.nodes if n.op in ("get_attr", "call_module")
-        }
+        self._attrs = {}
+        for n in gm.graph.nodes:
+            args, kwargs = torch.fx.node.map_arg(n.args, ref), torch.fx.node.map_arg(n.kwargs, ref)
+            self._nodes.append((n.op, n.name, n.target, args, kwargs, n.type, dict(n.meta)))
+            if n.op in ("get_attr", "call_module"):
+                self._attrs[n.target] = operator.attrgetter(n.target)(gm)
         self._class_name = type(gm).__name__
         self._code: Optional[str] = None
 
