@@ -44,7 +44,8 @@ QUANT_ARGS = {
 def kernel_specs(tk):
     """name -> (jit function, signature, constexprs, config key, elements per loop iteration of a program)."""
     rows = dict(QUANT_ARGS, TILE_ROWS="constexpr", SR="constexpr", SWIZZLE="constexpr", FAKE="constexpr",
-                PASS="constexpr", MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr", K_FIRST="constexpr")
+                PASS="constexpr", MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr", K_FIRST="constexpr",
+                ITERS="constexpr")
     rht = dict(QUANT_ARGS, SR="constexpr", SWIZZLE="constexpr", FAKE="constexpr", PASS="constexpr",
                MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr", K_FIRST="constexpr")
     amax = {"x_ptr": "*bf16", "amax_x_ptr": "*i32", "amax_y_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
@@ -55,7 +56,7 @@ def kernel_specs(tk):
         cfg = tk.CONFIGS["quantize_rows"]
         specs[f"rows_{name}"] = (tk._quantize_rows_kernel, rows, dict(
             TILE_ROWS=1, SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
-            K_FIRST=k_first("quantize_rows")), "quantize_rows")
+            K_FIRST=k_first("quantize_rows"), ITERS=cfg.get("ITERS", 1)), "quantize_rows")
         cfg = tk.CONFIGS["rht_quantize"]
         specs[f"rht_{name}"] = (tk._rht_quantize_kernel, rht, dict(
             SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
@@ -66,7 +67,7 @@ def kernel_specs(tk):
         consts = dict(SR=0, SWIZZLE=0, FAKE=1, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
                       K_FIRST=k_first(key))
         if "TILE_ROWS" in args:
-            consts["TILE_ROWS"] = 1
+            consts.update(TILE_ROWS=1, ITERS=cfg.get("ITERS", 1))
         specs[name] = (kernel, args, consts, key)
     dual = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "amax_t_ptr": "*fp32", "bd_ptr": "*bf16", "bd_t_ptr": "*bf16",
             "M": "i32", "K": "i32", "stride_xm": "i32", "seed_ptr": "*i64", "seed_lo": "i32", "seed_hi": "i32",

@@ -108,7 +108,7 @@ Seed = Optional[Union[int, runtime.DeviceSeed]]
 # the tiles of a row band (``_tile_ids``). The decoded 1x16 quantizer has its own entry (fake_rows).
 CONFIGS = {
     "amax": dict(BLOCK=4096, ITERS=8, num_warps=8),
-    "quantize_rows": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
+    "quantize_rows": dict(BLOCK_M=16, BLOCK_K=256, num_warps=4, ITERS=4, K_FIRST=True),
     "fake_rows": dict(BLOCK_M=16, BLOCK_K=256, num_warps=8, K_FIRST=True),
     "quantize_tiles": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
     "rht_amax": dict(BLOCK_M=32, BLOCK_K=128, ITERS=4, num_warps=2, K_FIRST=True),
@@ -344,21 +344,26 @@ if triton is not None:
         return x * 0x846CA68B
 
     @_jit()
-    def _sr_word(first, k, seed_lo, seed_hi):
-        """The 32-bit words of the pair indices first + k (elements 2 pair and 2 pair + 1) in the stream
-        (seed_lo, seed_hi), as ``formats.sr_random_bits``, before the last step of their second hash
-        (``_sr_draws`` takes it). Element 2 pair draws the word's low 16 bits, element 2 pair + 1 the high
-        16 bits. Every kernel holds both elements of a pair and hashes once for both.
-
-        ``first`` (int64) is a multiple of a power of two above every ``k`` (small non-negative ints), so
-        first + k carries nothing: its low word is first's with k or-ed in and its high word is first's;
-        the index arithmetic stays 32-bit and is shared by the pairs of a block."""
+    def _sr_key(first, seed_lo, seed_hi):
+        """The stream key of the pairs first + k (``_sr_word``): (first mod 2**32) xor k0 xor h((first >>
+        32) xor k1), as ``formats.sr_random_bits`` keys pair first; the pairs first + k then hash
+        key xor k. One full hash per ``first``, shared by its pairs."""
         k0 = seed_lo.to(tl.uint32, bitcast=True)
         k1 = seed_hi.to(tl.uint32, bitcast=True)
-        lo = (first.to(tl.uint32) ^ k0) ^ k
-        hi = (first >> 32).to(tl.uint32) ^ k1
-        h = _hash32_open(lo)
-        return _hash32_open((h ^ (h >> 16)) ^ hi)
+        h = _hash32_open((first >> 32).to(tl.uint32) ^ k1)
+        return (first.to(tl.uint32) ^ k0) ^ (h ^ (h >> 16))
+
+    @_jit()
+    def _sr_word(key, k):
+        """The 32-bit words of the pair indices first + k (elements 2 pair and 2 pair + 1) of the stream
+        whose key for ``first`` is ``key`` (``_sr_key``), as ``formats.sr_random_bits``, before the last
+        step of their hash (``_sr_draws`` takes it). Element 2 pair draws the word's low 16 bits, element
+        2 pair + 1 the high 16 bits. Every kernel holds both elements of a pair and hashes once for both.
+
+        ``first`` is a multiple of a power of two above every ``k`` (small non-negative ints), so
+        first + k carries nothing: its low word is first's with k or-ed in and its high word is first's,
+        and the key of first serves all its pairs."""
+        return _hash32_open(key ^ k)
 
     @_jit()
     def _sr_draws(h):
@@ -373,7 +378,7 @@ if triton is not None:
     def _sr_pair_bits(first, k, seed_lo, seed_hi):
         """The random draws (``_sr_draws``) of the elements of the [R, P] pair indices first + k (as
         ``_sr_word``): [R, 2 P], elements 2 pair and 2 pair + 1 side by side, one hash per pair."""
-        even, odd = _sr_draws(_sr_word(first, k, seed_lo, seed_hi))
+        even, odd = _sr_draws(_sr_word(_sr_key(first, seed_lo, seed_hi), k))
         return tl.reshape(tl.join(even, odd), (even.shape[0], 2 * even.shape[1]))
 
     @_jit()
@@ -466,23 +471,41 @@ if triton is not None:
     # ------------------------------------------------------------------------------------------
 
     @_jit()
-    def _load_half_pairs(x_ptr, rows, kb, half: tl.constexpr, stride_xm, ok):
-        """Elements (2 j, 2 j + 1), j < 4, of the first (half 0) or second half of the 16-element blocks
-        kb of rows ``rows`` ([G] each): two [G, 4] fp32 tensors, the even and the odd elements. Bf16 is
-        read as 32-bit words (one 16-byte load per half block), each holding a pair: the even element is
-        the word shifted up 16 bits, the odd one the word's high half, one integer operation per element
-        (``_as_rows(..., pair_words=True)`` copies a bf16 view whose rows do not start on a word)."""
+    def _load_half_blocks(x_ptr, rows, kb, half: tl.constexpr, stride_xm, ok):
+        """The first (half 0) or second half of the 16-element blocks kb of rows ``rows`` ([G] each), as
+        loaded: bf16 as [G, 4] 32-bit words, each holding a pair of elements (one 16-byte load per half
+        block; ``_as_rows(..., pair_words=True)`` copies a bf16 view whose rows do not start on a word),
+        other dtypes as [G, 8] elements."""
         if x_ptr.dtype.element_ty == tl.bfloat16:
             words = x_ptr.to(tl.pointer_type(tl.uint32))
             start = rows.to(tl.int64) * (stride_xm // 2) + kb * 8 + half * 4
-            w = tl.load(words + start[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0)
-            even = (w << 16).to(tl.float32, bitcast=True)
-            odd = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+            loaded = tl.load(words + start[:, None] + tl.arange(0, 4)[None, :], mask=ok[:, None], other=0)
         else:
             start = rows.to(tl.int64) * stride_xm + kb * 16 + half * 8
-            x = tl.load(x_ptr + start[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=0.0)
-            even, odd = tl.split(tl.reshape(x.to(tl.float32), (x.shape[0], 4, 2)))
+            loaded = tl.load(x_ptr + start[:, None] + tl.arange(0, 8)[None, :], mask=ok[:, None], other=0.0)
+        return loaded
+
+    @_jit()
+    def _half_pairs(x_ptr, loaded):
+        """The even and the odd elements (j < 4: 2 j and 2 j + 1) of half blocks as ``_load_half_blocks``
+        loads them: two [G, 4] fp32 tensors. A bf16 word's even element is the word shifted up 16 bits,
+        its odd one the word's high half: one integer operation per element."""
+        if x_ptr.dtype.element_ty == tl.bfloat16:
+            even = (loaded << 16).to(tl.float32, bitcast=True)
+            odd = (loaded & 0xFFFF0000).to(tl.float32, bitcast=True)
+        else:
+            even, odd = tl.split(tl.reshape(loaded.to(tl.float32), (loaded.shape[0], 4, 2)))
         return even, odd
+
+    @_jit()
+    def _tile_blocks(M, K, pid_m, pid_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(rows, block columns) of the 1x16 blocks of the [BLOCK_M, BLOCK_K] tile at (pid_m, pid_k), one
+        per block, and whether each lies inside the [M, K] tensor."""
+        NB: tl.constexpr = BLOCK_K // 16
+        g = tl.arange(0, BLOCK_M * NB)
+        rows = pid_m * BLOCK_M + g // NB
+        kb = pid_k * NB + g % NB
+        return rows, kb, (rows < M) & (kb < K // 16)
 
     @_jit()
     def _half_block_codes(even, odd, enc, keep, start, seed_lo, seed_hi, sf, bd_ptr, mask,
@@ -493,7 +516,8 @@ if triton is not None:
         value * sf at those indices instead."""
         if SR:
             # Pair index start / 2 + j: start / 2 is a multiple of 4.
-            r_even, r_odd = _sr_draws(_sr_word((start >> 1)[:, None], tl.arange(0, 4)[None, :], seed_lo, seed_hi))
+            key = _sr_key((start >> 1)[:, None], seed_lo, seed_hi)
+            r_even, r_odd = _sr_draws(_sr_word(key, tl.arange(0, 4)[None, :]))
         else:
             r_even, r_odd = 0, 0
         c_even, v_even = _e2m1(even * enc[:, None], r_even, SR, FAKE)
@@ -510,18 +534,29 @@ if triton is not None:
         x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
         SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        """1x16 blocks of a [BLOCK_M, BLOCK_K] tile, held as the even and odd elements of the first and the
-        second half of every block (``_load_half_pairs``, two 16-byte loads), so each thread holds whole
-        blocks: the block maximum, scale and encode factor are computed once per block, no data moves
-        between threads, and the two elements of a pair, which share one SR word and one byte of codes,
-        sit side by side."""
-        NB: tl.constexpr = BLOCK_K // 16
-        g = tl.arange(0, BLOCK_M * NB)
-        rows = pid_m * BLOCK_M + g // NB
-        kb = pid_k * NB + g % NB
-        ok = (rows < M) & (kb < K // 16)
-        e0, o0 = _load_half_pairs(x_ptr, rows, kb, 0, stride_xm, ok)
-        e1, o1 = _load_half_pairs(x_ptr, rows, kb, 1, stride_xm, ok)
+        """1x16 blocks of a [BLOCK_M, BLOCK_K] tile: loads it, then ``_quantize_loaded_blocks``."""
+        rows, kb, ok = _tile_blocks(M, K, pid_m, pid_k, BLOCK_M, BLOCK_K)
+        h0 = _load_half_blocks(x_ptr, rows, kb, 0, stride_xm, ok)
+        h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
+        return _quantize_loaded_blocks(
+            x_ptr, h0, h1, data_ptr, scales_ptr, bd_ptr, amax, M, K, seed_lo, seed_hi, pid_m, pid_k,
+            SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+        )
+
+    @_jit()
+    def _quantize_loaded_blocks(
+        x_ptr, h0, h1, data_ptr, scales_ptr, bd_ptr, amax, M, K, seed_lo, seed_hi, pid_m, pid_k,
+        SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """1x16 blocks of the [BLOCK_M, BLOCK_K] tile at (pid_m, pid_k), given as loaded (h0, h1: the first
+        and second halves of every block, ``_load_half_blocks``) and held as the even and odd elements of
+        each half (``_half_pairs``), so each thread holds whole blocks: the block maximum, scale and
+        encode factor are computed once per block, no data moves between threads, and the two elements of
+        a pair, which share one SR word and one byte of codes, sit side by side. Returns the bits of the
+        tile's abs max."""
+        rows, kb, ok = _tile_blocks(M, K, pid_m, pid_k, BLOCK_M, BLOCK_K)
+        e0, o0 = _half_pairs(x_ptr, h0)
+        e1, o1 = _half_pairs(x_ptr, h1)
         # The block maximum of |x|; NaN wins (as in the integer order of the bits).
         bamax = tl.reduce(_max_nan(_max_nan(tl.abs(e0), tl.abs(o0)), _max_nan(tl.abs(e1), tl.abs(o1))), 1, _max_nan)
         s_enc, s_dec = _encode_scale(amax)
@@ -591,24 +626,49 @@ if triton is not None:
         seed_ptr, seed_lo, seed_hi,
         TILE_ROWS: tl.constexpr, SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, PASS: tl.constexpr,
         MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr = False,
+        ITERS: tl.constexpr = 1,
     ):
-        pid_m, pid_k = _tile_ids(K_FIRST)
+        """Quantizes ITERS consecutive tiles along K. With 1x16 blocks and ITERS > 1, the next tile's loads
+        are issued before the tile loaded is quantized, so they are in flight during its arithmetic."""
+        pid_m, k_group = _tile_ids(K_FIRST)
         seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
         # PASS 0: amax_ptr holds the own amax. 1: a given amax; track the own one. 2: fix-up.
         if PASS == 2:
-            own, nonfinite = _fixup_amax(amax_ptr, own_ptr, out_amax_ptr, (pid_m == 0) & (pid_k == 0))
+            own, nonfinite = _fixup_amax(amax_ptr, own_ptr, out_amax_ptr, (pid_m == 0) & (k_group == 0))
             if nonfinite:
-                _quantize_rows_tile(
-                    x_ptr, data_ptr, scales_ptr, bd_ptr, own, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
-                    TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
-                )
-        else:
-            tile_amax_bits = _quantize_rows_tile(
-                x_ptr, data_ptr, scales_ptr, bd_ptr, tl.load(amax_ptr), M, K, stride_xm, seed_lo, seed_hi, pid_m,
-                pid_k, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
-            )
+                for i in range(ITERS):
+                    _quantize_rows_tile(
+                        x_ptr, data_ptr, scales_ptr, bd_ptr, own, M, K, stride_xm, seed_lo, seed_hi, pid_m,
+                        k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                    )
+        elif TILE_ROWS == 1 and ITERS > 1:
+            amax = tl.load(amax_ptr)
+            rows, kb, ok = _tile_blocks(M, K, pid_m, k_group * ITERS, BLOCK_M, BLOCK_K)
+            h0 = _load_half_blocks(x_ptr, rows, kb, 0, stride_xm, ok)
+            h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
+            bits = tl.zeros((), tl.int32)
+            for i in range(ITERS):
+                c0, c1 = h0, h1
+                # The next tile (none after the last: no block column is below a bound of 0).
+                rows, kb, ok = _tile_blocks(M, tl.where(i + 1 < ITERS, K, 0), pid_m, k_group * ITERS + i + 1,
+                                            BLOCK_M, BLOCK_K)
+                h0 = _load_half_blocks(x_ptr, rows, kb, 0, stride_xm, ok)
+                h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
+                bits = tl.maximum(bits, _quantize_loaded_blocks(
+                    x_ptr, c0, c1, data_ptr, scales_ptr, bd_ptr, amax, M, K, seed_lo, seed_hi, pid_m,
+                    k_group * ITERS + i, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                ))
             if PASS == 1:
-                tl.atomic_max(own_ptr, tile_amax_bits)
+                tl.atomic_max(own_ptr, bits)
+        else:
+            bits = tl.zeros((), tl.int32)
+            for i in range(ITERS):
+                bits = tl.maximum(bits, _quantize_rows_tile(
+                    x_ptr, data_ptr, scales_ptr, bd_ptr, tl.load(amax_ptr), M, K, stride_xm, seed_lo, seed_hi,
+                    pid_m, k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                ))
+            if PASS == 1:
+                tl.atomic_max(own_ptr, bits)
 
     # ------------------------------------------------------------------------------------------
     # MXFP4: 1x32 blocks with E8M0 (power-of-two) scales, no global scale
@@ -678,12 +738,12 @@ if triton is not None:
     # threads.
 
     @_jit()
-    def _rht_load(x_ptr, M, K, stride_xm, chunks, cols, i: tl.constexpr):
-        """Token 16 c + i of every chunk c, [chunks, cols] as fp32."""
+    def _rht_load(x_ptr, M, K, stride_xm, chunks, cols, i: tl.constexpr, F32: tl.constexpr):
+        """Token 16 c + i of every chunk c, [chunks, cols] as fp32 (F32) or in x's dtype."""
         tokens = chunks * 16 + i
         mask = (tokens < M)[:, None] & (cols < K)[None, :]
         x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-        return x.to(tl.float32)
+        return x.to(tl.float32) if F32 else x
 
     @_jit()
     def _rht_in(xi, i: tl.constexpr):
@@ -704,36 +764,31 @@ if triton is not None:
         return tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
 
     @_jit()
-    def _rht_tile(
-        x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr = True,
+    def _rht_loads(
+        x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
     ):
-        """RHT along tokens of the [BLOCK_M tokens, BLOCK_K] tile at (pid_m, pid_k).
-
-        Returns (y_0 .. y_15, bits of the tile's abs max of x, chunk indices, column indices), where
-        y_j[c, k] = RHT(x^T)[k, 16 c + j], [BLOCK_M/16, BLOCK_K] fp32 holding values rounded to x's dtype,
-        as ``formats.rht`` returns it; without ROUND, the fp32 values before that rounding.
-        """
+        """The 16 tokens of every 16-token chunk of the [BLOCK_M tokens, BLOCK_K] tile at (pid_m, pid_k),
+        as fp32 (F32) or in x's dtype: (x_0 .. x_15, chunk indices, column indices), x_i [BLOCK_M/16,
+        BLOCK_K]."""
         chunks = pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
         cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        x0 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 0)
-        x1 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 1)
-        x2 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 2)
-        x3 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 3)
-        x4 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 4)
-        x5 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 5)
-        x6 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 6)
-        x7 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 7)
-        x8 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 8)
-        x9 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 9)
-        x10 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 10)
-        x11 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 11)
-        x12 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 12)
-        x13 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 13)
-        x14 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 14)
-        x15 = _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 15)
-        xm = _amax16(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15)
-        x_amax = tl.max(tl.max(xm, axis=1), axis=0)
-        # The butterfly of formats.rht: z_i = x_i * s_i / 4, then strides 8, 4, 2, 1.
+        return (
+            _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 0, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 1, F32),
+            _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 2, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 3, F32),
+            _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 4, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 5, F32),
+            _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 6, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 7, F32),
+            _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 8, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 9, F32),
+            _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 10, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 11, F32),
+            _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 12, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 13, F32),
+            _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 14, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 15, F32),
+            chunks, cols,
+        )
+
+    @_jit()
+    def _rht_butterfly(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15):
+        """RHT of the 16-element vectors (x_0 .. x_15) (elementwise over their shape), in fp32 before any
+        rounding to the input's dtype: the butterfly of formats.rht, z_i = x_i * s_i / 4, then strides
+        8, 4, 2, 1."""
         x0, x1, x2, x3 = _rht_in(x0, 0), _rht_in(x1, 1), _rht_in(x2, 2), _rht_in(x3, 3)
         x4, x5, x6, x7 = _rht_in(x4, 4), _rht_in(x5, 5), _rht_in(x6, 6), _rht_in(x7, 7)
         x8, x9, x10, x11 = _rht_in(x8, 8), _rht_in(x9, 9), _rht_in(x10, 10), _rht_in(x11, 11)
@@ -770,38 +825,82 @@ if triton is not None:
         x10, x11 = _bfly(x10, x11)
         x12, x13 = _bfly(x12, x13)
         x14, x15 = _bfly(x14, x15)
+        return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+
+    @_jit()
+    def _rht_tile(
+        x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """RHT along tokens of the [BLOCK_M tokens, BLOCK_K] tile at (pid_m, pid_k).
+
+        Returns (y_0 .. y_15, chunk indices, column indices), where
+        y_j[c, k] = RHT(x^T)[k, 16 c + j], [BLOCK_M/16, BLOCK_K] fp32 holding values rounded to x's dtype,
+        as ``formats.rht`` returns it.
+        """
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, chunks, cols = _rht_loads(
+            x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K, True
+        )
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht_butterfly(
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
+        )
         dt: tl.constexpr = x_ptr.dtype.element_ty
-        if not ROUND:
-            return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, x_amax, chunks, cols
         return (
             _round_to(x0, dt), _round_to(x1, dt), _round_to(x2, dt), _round_to(x3, dt),
             _round_to(x4, dt), _round_to(x5, dt), _round_to(x6, dt), _round_to(x7, dt),
             _round_to(x8, dt), _round_to(x9, dt), _round_to(x10, dt), _round_to(x11, dt),
             _round_to(x12, dt), _round_to(x13, dt), _round_to(x14, dt), _round_to(x15, dt),
-            x_amax, chunks, cols,
+            chunks, cols,
         )
+
+    @_jit()
+    def _absmax16(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15):
+        """Elementwise max of the |a_i| (fp32), NaN where any is NaN: float maxima whose operands take the
+        absolute value as a modifier, one instruction per operand."""
+        m0 = _max_nan(_max_nan(tl.abs(a0), tl.abs(a1)), _max_nan(tl.abs(a2), tl.abs(a3)))
+        m1 = _max_nan(_max_nan(tl.abs(a4), tl.abs(a5)), _max_nan(tl.abs(a6), tl.abs(a7)))
+        m2 = _max_nan(_max_nan(tl.abs(a8), tl.abs(a9)), _max_nan(tl.abs(a10), tl.abs(a11)))
+        m3 = _max_nan(_max_nan(tl.abs(a12), tl.abs(a13)), _max_nan(tl.abs(a14), tl.abs(a15)))
+        return _max_nan(_max_nan(m0, m1), _max_nan(m2, m3))
 
     @_jit()
     def _rht_amax_kernel(
         x_ptr, amax_x_ptr, amax_y_ptr, M, K, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, K_FIRST: tl.constexpr = False,
     ):
-        """Atomic max of |x| and |RHT(x^T)| bits; each program takes ITERS tiles along K.
+        """Atomic max of |x| and |RHT(x^T)| bits; each program takes ITERS tiles along K, loading the next
+        tile before it transforms the one loaded (its loads are in flight during the arithmetic), and
+        keeps elementwise maxima until the end (one reduction across the program, not one per tile).
 
-        The RHT values are rounded to x's dtype once, at the end: rounding to nearest is monotone and
-        symmetric, so the largest rounded |y| is the rounded largest |y| (NaN stays NaN)."""
+        The maxima are float maxima that propagate NaN, whose bits (an NaN's above Inf's) the atomics
+        compare as integers. The RHT values are rounded to x's dtype once, at the end: rounding to
+        nearest is monotone and symmetric, so the largest rounded |y| is the rounded largest |y| (NaN
+        stays NaN)."""
         pid_m, k_group = _tile_ids(K_FIRST)
-        x_amax = tl.zeros((), tl.int32)
-        y_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.int32)
+        x_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.float32)
+        y_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.float32)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, _, _ = _rht_loads(
+            x_ptr, M, K, stride_xm, pid_m, k_group * ITERS, BLOCK_M, BLOCK_K, False
+        )
         for i in range(ITERS):
-            y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, tile_x_amax, _, _ = _rht_tile(
-                x_ptr, M, K, stride_xm, pid_m, k_group * ITERS + i, BLOCK_M, BLOCK_K, False
+            c0, c1, c2, c3, c4, c5, c6, c7 = x0, x1, x2, x3, x4, x5, x6, x7
+            c8, c9, c10, c11, c12, c13, c14, c15 = x8, x9, x10, x11, x12, x13, x14, x15
+            # The next tile (none after the last: no column is below a bound of 0).
+            k_next = tl.where(i + 1 < ITERS, K, 0)
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, _, _ = _rht_loads(
+                x_ptr, M, k_next, stride_xm, pid_m, k_group * ITERS + i + 1, BLOCK_M, BLOCK_K, False
             )
-            x_amax = tl.maximum(x_amax, tile_x_amax)
-            ym = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
-            y_acc = tl.maximum(y_acc, ym)
-        tl.atomic_max(amax_x_ptr, x_amax)
-        y_max = tl.max(tl.max(y_acc, axis=1), axis=0).to(tl.float32, bitcast=True)
+            c0, c1, c2, c3 = c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32), c3.to(tl.float32)
+            c4, c5, c6, c7 = c4.to(tl.float32), c5.to(tl.float32), c6.to(tl.float32), c7.to(tl.float32)
+            c8, c9, c10, c11 = c8.to(tl.float32), c9.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
+            c12, c13, c14, c15 = c12.to(tl.float32), c13.to(tl.float32), c14.to(tl.float32), c15.to(tl.float32)
+            x_acc = _max_nan(x_acc, _absmax16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15 = _rht_butterfly(
+                c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15
+            )
+            y_acc = _max_nan(y_acc, _absmax16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
+        x_max = tl.reduce(tl.reduce(x_acc, 1, _max_nan), 0, _max_nan)
+        y_max = tl.reduce(tl.reduce(y_acc, 1, _max_nan), 0, _max_nan)
+        tl.atomic_max(amax_x_ptr, x_max.to(tl.int32, bitcast=True))
         tl.atomic_max(amax_y_ptr, _round_to(y_max, x_ptr.dtype.element_ty).to(tl.int32, bitcast=True))
 
     @_jit()
@@ -843,11 +942,9 @@ if triton is not None:
         base = cols.to(tl.int64)[None, :] * M + (chunks.to(tl.int64) * 16)[:, None]  # flat index of (col, 16 c)
         if SR:
             # Elements 16 c + 2 j and 16 c + 2 j + 1 of a chunk share one word (base is a multiple of 16).
-            pair = base >> 1  # a multiple of 8
-            w0, w1 = _sr_word(pair, 0, seed_lo, seed_hi), _sr_word(pair, 1, seed_lo, seed_hi)
-            w2, w3 = _sr_word(pair, 2, seed_lo, seed_hi), _sr_word(pair, 3, seed_lo, seed_hi)
-            w4, w5 = _sr_word(pair, 4, seed_lo, seed_hi), _sr_word(pair, 5, seed_lo, seed_hi)
-            w6, w7 = _sr_word(pair, 6, seed_lo, seed_hi), _sr_word(pair, 7, seed_lo, seed_hi)
+            key = _sr_key(base >> 1, seed_lo, seed_hi)  # pair base / 2, a multiple of 8
+            w0, w1, w2, w3 = _sr_word(key, 0), _sr_word(key, 1), _sr_word(key, 2), _sr_word(key, 3)
+            w4, w5, w6, w7 = _sr_word(key, 4), _sr_word(key, 5), _sr_word(key, 6), _sr_word(key, 7)
             r0, r1 = _sr_draws(w0)
             r2, r3 = _sr_draws(w1)
             r4, r5 = _sr_draws(w2)
@@ -891,7 +988,7 @@ if triton is not None:
         SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """Quantize RHT(x^T) for one tile; outputs are [K, M]-shaped (transposed). Returns its abs-max bits."""
-        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, _, chunks, cols = _rht_tile(
+        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, chunks, cols = _rht_tile(
             x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K
         )
         bits = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)  # [chunk, column]
@@ -971,7 +1068,7 @@ if triton is not None:
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
-        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, _, chunks, cols = _rht_tile(
+        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, chunks, cols = _rht_tile(
             x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K
         )
         chunk_bits = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
@@ -1141,7 +1238,7 @@ def _as_rows(
     x: torch.Tensor, what: str, rows_multiple: int = 1, cols_multiple: int = 16, pair_words: bool = False
 ) -> torch.Tensor:
     """x as a 2-D [rows, K] tensor with unit stride along K (a view where possible); with ``pair_words``
-    (the 1x16 tile, ``_load_half_pairs``), bf16 rows that each start on a 32-bit word."""
+    (the 1x16 tile, ``_load_half_blocks``), bf16 rows that each start on a 32-bit word."""
     if x.dtype not in _INPUT_DTYPES:
         raise TypeError(f"{what} takes float32, bfloat16 or float16 tensors, got {x.dtype} of shape {tuple(x.shape)}")
     if x.dim() < 1 or x.shape[-1] % cols_multiple:
@@ -1283,14 +1380,15 @@ def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake, amax
     cfg = CONFIGS["quantize_tiles" if tile_rows > 1 else "fake_rows" if fake else "quantize_rows"]
     data, scales, bd = _output_buffers(m, k, swizzle, fake, x2.device)
     seed_args = _seed_args(rounding, seed, x2, bd)
-    grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    iters = cfg.get("ITERS", 1)
+    grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"] * iters))
 
     def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
         _launch(
             _quantize_rows_kernel, grid,
             x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             TILE_ROWS=tile_rows, SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **order, **_launch_options(cfg),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=iters, **order, **_launch_options(cfg),
         )
 
     amax_used = _quantize_passes(launch, lambda: _amax_bits(x2), amax, x2.device, amax_is_own)

@@ -231,10 +231,12 @@ def _hash32_uint32(x: np.ndarray) -> np.ndarray:
 def sr_random_bits(numel: int, seed: int, device=None) -> torch.Tensor:
     """The 16 random bits (int64 holding uint16) stochastic rounding uses for elements 0..numel-1.
 
-    Elements 2p and 2p + 1 share the 32-bit word w[p] = h(h((p mod 2**32) xor k0) xor ((p >> 32) xor k1)),
+    Elements 2p and 2p + 1 share the 32-bit word w[p] = h((p mod 2**32) xor k0 xor h((p >> 32) xor k1)),
     with k0, k1 the low and high 32 bits of ``seed`` and h the lowbias32 mixer: element 2p takes its low
-    16 bits, element 2p + 1 its high 16 bits. Counter-based, so any kernel on any device can produce the
-    same bits for the same (seed, element index).
+    16 bits, element 2p + 1 its high 16 bits. One hash per word: the inner one depends only on the
+    pair's high 32 bits (the same for the first 2**32 pairs), so kernels compute it once per block of
+    pairs. Counter-based, so any kernel on any device can produce the same bits for the same (seed,
+    element index).
     """
     seed = int(seed) & 0xFFFFFFFFFFFFFFFF
     k0, k1 = seed & _M32, (seed >> 32) & _M32
@@ -242,14 +244,13 @@ def sr_random_bits(numel: int, seed: int, device=None) -> torch.Tensor:
     pairs = (numel + 1) // 2
     if device.type == "cpu" and pairs <= 2**32:
         # The same function in uint32 arithmetic: a few times faster than the int64 emulation below.
+        key = _hash32_uint32(np.array([k1], dtype=np.uint32))[0] ^ np.uint32(k0)  # p >> 32 is 0 for every pair here
         x = np.arange(pairs, dtype=np.uint32)
-        x ^= np.uint32(k0)
-        x = _hash32_uint32(x)
-        x ^= np.uint32(k1)  # p >> 32 is 0 for every pair here
+        x ^= key
         words = torch.from_numpy(_hash32_uint32(x).astype(np.int64))
     else:
         p = torch.arange(pairs, dtype=torch.int64, device=device)
-        words = _hash32(_hash32((p & _M32) ^ k0) ^ ((p >> 32) ^ k1))
+        words = _hash32((p & _M32) ^ k0 ^ _hash32((p >> 32) ^ k1))
     return torch.stack([words & 0xFFFF, words >> 16], dim=-1).reshape(-1)[:numel]
 
 

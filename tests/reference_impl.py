@@ -191,7 +191,7 @@ def sr_bits(index: int, seed: int) -> int:
     seed &= (1 << 64) - 1
     k0, k1 = seed & M32, seed >> 32
     pair = index >> 1
-    word = lowbias32(lowbias32((pair & M32) ^ k0) ^ ((pair >> 32) ^ k1))
+    word = lowbias32((pair & M32) ^ k0 ^ lowbias32((pair >> 32) ^ k1))
     return (word >> (16 * (index & 1))) & 0xFFFF
 
 

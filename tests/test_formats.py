@@ -696,7 +696,7 @@ def test_sr_random_bits_cpu_path_equals_the_tensor_path(seed):
     n = 5001  # odd: the last pair's high half is dropped
     pair = torch.arange((n + 1) // 2, dtype=torch.int64)
     k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
-    words = formats._hash32(formats._hash32((pair & 0xFFFFFFFF) ^ k0) ^ ((pair >> 32) ^ k1))
+    words = formats._hash32((pair & 0xFFFFFFFF) ^ k0 ^ formats._hash32((pair >> 32) ^ k1))
     want = torch.stack([words & 0xFFFF, words >> 16], dim=-1).reshape(-1)[:n]
     assert torch.equal(formats.sr_random_bits(n, seed), want)
     assert torch.equal(formats.sr_random_bits(n, seed, device="cpu"), want)
@@ -717,6 +717,11 @@ def test_sr_random_bits_look_uniform():
     assert abs(u.mean().item() - 0.5) < 5 * math.sqrt(1 / 12 / n)
     even, odd = u[0::2] - 0.5, u[1::2] - 0.5
     assert abs((even * odd).mean().item()) < 5 * (1 / 12) / math.sqrt(n / 2)
+    # One hash per word of consecutive counters: neighbouring words (and every lag up to a block of 16
+    # elements) are uncorrelated too.
+    centred = u - 0.5
+    for lag in range(2, 17):
+        assert abs((centred[:-lag] * centred[lag:]).mean().item()) < 5 * (1 / 12) / math.sqrt(n - lag), lag
     for b in range(16):
         ones = ((bits >> b) & 1).sum().item()
         assert abs(ones - n / 2) < 5 * math.sqrt(n / 4), b
