@@ -105,7 +105,9 @@ Seed = Optional[Union[int, runtime.DeviceSeed]]
 
 # Launch parameters per kernel, chosen on an H200 (benchmarks/bench_kernels.py sweeps alternatives at
 # 8192x8192, benchmarks/sweep_tiles.py at the training step's shapes). K_FIRST: consecutive programs take
-# the tiles of a row band (``_tile_ids``). The decoded 1x16 quantizer has its own entry (fake_rows).
+# the tiles of a row band (``_tile_ids``). ITERS: tiles per program along K; the 1x16 quantizers and
+# wgrad_amax load the next tile while working on the one loaded. The decoded 1x16 quantizer has its own
+# entry (fake_rows).
 CONFIGS = {
     "amax": dict(BLOCK=4096, ITERS=8, num_warps=8),
     "quantize_rows": dict(BLOCK_M=16, BLOCK_K=256, num_warps=4, ITERS=4, K_FIRST=True),
