@@ -456,8 +456,8 @@ def main() -> int:
                 if best is None or ms < best[1]:
                     best = (cfg, ms)
             entry.update(best_config=best[0], ms=best[1], default_ms=entry["sweep"][0]["ms"])
-            if configs[0] is not None:
-                tk.CONFIGS[case.config] = dict(configs[0])
+            if case.config in defaults:
+                tk.CONFIGS[case.config] = dict(defaults[case.config])
             try:  # the default configuration replayed from a CUDA graph: no host time between the launches
                 entry["graph_ms"] = graph_ms(lambda: case.run(state))
             except Exception as exc:

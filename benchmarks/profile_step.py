@@ -22,6 +22,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_e2e import VARIANTS, training_step  # noqa: E402
 
 
+def kernel_label(name: str, width: int = 110) -> str:
+    """A kernel's name for the table: nested C++ template arguments elided (``reduce_kernel<128, 4,
+    ReduceOp<...>>``, the kernel's own arguments kept), at most ``width`` characters."""
+    out, depth = [], 0
+    for ch in name:
+        if ch == "<":
+            depth += 1
+            if depth <= 2:
+                out.append("<" if depth == 1 else "<...")
+        elif ch == ">" and depth:
+            depth -= 1
+            if depth <= 1:
+                out.append(">")
+        elif depth <= 1:
+            out.append(ch)
+    return "".join(out)[:width]
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variant", choices=VARIANTS, default="nvfp4",
@@ -57,7 +75,7 @@ def main():
     print(f"\nGPU kernels by time (per step):\n{'ms':>8} {'%':>6} {'calls':>6}  kernel")
     for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[: args.rows]:
         ms = e.self_device_time_total / 1e3 / args.steps
-        print(f"{ms:8.2f} {100 * ms / gpu_ms:6.1f} {e.count // args.steps:6d}  {e.key[:110]}")
+        print(f"{ms:8.2f} {100 * ms / gpu_ms:6.1f} {e.count // args.steps:6d}  {kernel_label(e.key)}")
     ops = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.key.startswith("fp4::")]
     if ops:
         print(f"\nfp4 operators (per step):\n{'CPU ms':>8} {'GPU ms':>8} {'calls':>6}  op")

@@ -643,32 +643,30 @@ if triton is not None:
                         x_ptr, data_ptr, scales_ptr, bd_ptr, own, M, K, stride_xm, seed_lo, seed_hi, pid_m,
                         k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
                     )
-        elif TILE_ROWS == 1 and ITERS > 1:
+        else:
             amax = tl.load(amax_ptr)
-            rows, kb, ok = _tile_blocks(M, K, pid_m, k_group * ITERS, BLOCK_M, BLOCK_K)
-            h0 = _load_half_blocks(x_ptr, rows, kb, 0, stride_xm, ok)
-            h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
             bits = tl.zeros((), tl.int32)
-            for i in range(ITERS):
-                c0, c1 = h0, h1
-                # The next tile (none after the last: no block column is below a bound of 0).
-                rows, kb, ok = _tile_blocks(M, tl.where(i + 1 < ITERS, K, 0), pid_m, k_group * ITERS + i + 1,
-                                            BLOCK_M, BLOCK_K)
+            if TILE_ROWS == 1 and ITERS > 1:
+                rows, kb, ok = _tile_blocks(M, K, pid_m, k_group * ITERS, BLOCK_M, BLOCK_K)
                 h0 = _load_half_blocks(x_ptr, rows, kb, 0, stride_xm, ok)
                 h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
-                bits = tl.maximum(bits, _quantize_loaded_blocks(
-                    x_ptr, c0, c1, data_ptr, scales_ptr, bd_ptr, amax, M, K, seed_lo, seed_hi, pid_m,
-                    k_group * ITERS + i, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
-                ))
-            if PASS == 1:
-                tl.atomic_max(own_ptr, bits)
-        else:
-            bits = tl.zeros((), tl.int32)
-            for i in range(ITERS):
-                bits = tl.maximum(bits, _quantize_rows_tile(
-                    x_ptr, data_ptr, scales_ptr, bd_ptr, tl.load(amax_ptr), M, K, stride_xm, seed_lo, seed_hi,
-                    pid_m, k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
-                ))
+                for i in range(ITERS):
+                    c0, c1 = h0, h1
+                    # The next tile (none after the last: no block column is below a bound of 0).
+                    rows, kb, ok = _tile_blocks(M, tl.where(i + 1 < ITERS, K, 0), pid_m, k_group * ITERS + i + 1,
+                                                BLOCK_M, BLOCK_K)
+                    h0 = _load_half_blocks(x_ptr, rows, kb, 0, stride_xm, ok)
+                    h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
+                    bits = tl.maximum(bits, _quantize_loaded_blocks(
+                        x_ptr, c0, c1, data_ptr, scales_ptr, bd_ptr, amax, M, K, seed_lo, seed_hi, pid_m,
+                        k_group * ITERS + i, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                    ))
+            else:
+                for i in range(ITERS):
+                    bits = tl.maximum(bits, _quantize_rows_tile(
+                        x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m,
+                        k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                    ))
             if PASS == 1:
                 tl.atomic_max(own_ptr, bits)
 
