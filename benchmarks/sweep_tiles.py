@@ -86,8 +86,8 @@ def sweeps(tk):
          ] + [
             dict(BLOCK_M=bm, BLOCK_K=bk, num_warps=w, K_FIRST=True, ITERS=it)
             for bm, bk, w, it in ((32, 256, 8, 4), (16, 256, 4, 8), (8, 256, 2, 4), (8, 256, 2, 8), (16, 128, 2, 4),
-                                  (16, 256, 4, 2))
-         ] + capped(tk, "quantize_rows", 64, 48)),
+                                  (16, 256, 4, 2), (16, 256, 2, 4), (32, 256, 4, 4))
+         ] + capped(tk, "quantize_rows", 96, 80, 64)),
         ("quantize_1x16 sr (own amax)", "quantize_rows",
          lambda x: tk.quantize_1x16(x, "sr", 5, amax=given("x", x), amax_is_own=True), [
             dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
@@ -108,6 +108,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="sweep_tiles.json")
     p.add_argument("--timer", choices=("graph", "launch"), default="graph")
+    p.add_argument("--only", nargs="+", metavar="TEXT", help="sweep only the kernels whose label contains one of these")
     args = p.parse_args()
     if args.timer == "graph":
         timer = lambda fn: triton.testing.do_bench_cudagraph(fn, return_mode="median")  # noqa: E731
@@ -117,6 +118,8 @@ def main() -> None:
     torch.manual_seed(0)
     results = []
     for label, key, fn, alternatives in sweeps(tk):
+        if args.only and not any(text in label for text in args.only):
+            continue
         for shape in SHAPES:
             x = (torch.randn(shape, device="cuda") * 2).to(torch.bfloat16)
             tk.CONFIGS[key] = dict(default[key])

@@ -167,6 +167,8 @@ if triton is not None:
     _NVFP4_GLOBAL = tl.constexpr(formats.NVFP4_GLOBAL)
     _ONE_SIXTH = tl.constexpr(_f32(1.0 / 6.0))
     _INV_GLOBAL = tl.constexpr(_f32(1.0 / formats.NVFP4_GLOBAL))
+    _TWO_M126 = tl.constexpr(2.0**-126)
+    _NEG_MAGIC_M126 = tl.constexpr(-6291456.0 * 2.0**-126)  # -(3 * 2**21) * 2**-126, exact in fp32
     # Bit i set where the RHT sign vector has -1 at i.
     _RHT_NEG = tl.constexpr(sum(1 << i for i, s in enumerate(formats.DEFAULT_RHT_SIGNS) if s < 0))
 
@@ -286,6 +288,21 @@ if triton is not None:
         rounded = total - magic.to(tl.float32, bitcast=True)
         value = (rounded.to(tl.uint32, bitcast=True) | (sign << 28)).to(tl.float32, bitcast=True)
         return idx | sign, value
+
+    @_jit()
+    def _e2m1_rne_code_bits(v):
+        """|v| rounded to nearest even on the E2M1 grid, saturating at 6, as the fp32 bits of r * 2**-126:
+        the 3-bit magnitude code in bits 22-24 and nothing else set. For the codes of 0.5 ... 6 (1 ... 7)
+        those bits are E2M1's own: 2**-126 moves E2M1's exponent bias of 1 to fp32's 127, and 0.5 * 2**-126
+        is the fp32 subnormal 2**22 * 2**-149. Every step is exact, so the additions may be fused: m plus
+        3 * 2**21 * binade rounds m to its binade's grid step (as in ``_e2m1_rne``), and subtracting that
+        constant again after the 2**-126 scaling leaves r * 2**-126. All of it on the FMA pipe but the
+        binade (two integer operations), where ``_e2m1_rne`` needs four more integer ones for the index.
+        The kernels are built without flushing subnormals (plain fp32 arithmetic, no libdevice)."""
+        m = tl.minimum(tl.abs(v), 6.0)
+        binade = tl.maximum(m.to(tl.uint32, bitcast=True) & 0x7F800000, 0x3F800000).to(tl.float32, bitcast=True)
+        total = tl.fma(binade, 6291456.0, m)
+        return tl.fma(total, _TWO_M126, binade * _NEG_MAGIC_M126).to(tl.uint32, bitcast=True)
 
     # Outside Triton's interpreter (which has no directed-rounding additions) the kernels that write
     # decoded values take SR's ceiling below 1 as m + 1 rounded upward: one fp32 addition instead of a
@@ -510,12 +527,20 @@ if triton is not None:
         return rows, kb, (rows < M) & (kb < K // 16)
 
     @_jit()
-    def _half_block_codes(even, odd, enc, keep, start, seed_lo, seed_hi, sf, bd_ptr, mask,
+    def _half_block_codes(even, odd, signs, enc, keep, start, seed_lo, seed_hi, sf, bd_ptr, mask,
                           SR: tl.constexpr, FAKE: tl.constexpr):
         """Codes of [G, 8] half blocks, given as their even and odd elements ([G, 4] each, x; v = x * enc,
         code 0 where the block is not ``keep``) whose first elements have the flat indices ``start`` ([G]
         int64, multiples of 8): one uint32 per half block, element j in nibble j; with FAKE, stores
-        value * sf at those indices instead."""
+        value * sf at those indices instead. ``signs`` ([G, 4] uint32, ``_pair_signs``): bits 3 and 7 are
+        the signs of a pair's elements (the sign of v is x's: enc > 0 where the block is kept)."""
+        if not SR and not FAKE:
+            # Round to nearest, codes only: magnitudes from ``_e2m1_rne_code_bits``, signs as given.
+            c_even = _e2m1_rne_code_bits(even * enc[:, None])
+            c_odd = _e2m1_rne_code_bits(odd * enc[:, None])
+            pair = ((c_even + (c_odd << 4)) >> 22) | (signs & 0x88)  # a byte per pair, element 2 j low
+            word = tl.sum(pair << (tl.arange(0, 4) * 8)[None, :], axis=1)  # disjoint bytes: the sum is an OR
+            return tl.where(keep, word, 0)
         if SR:
             # Pair index start / 2 + j: start / 2 is a multiple of 4.
             key = _sr_key((start >> 1)[:, None], seed_lo, seed_hi)
@@ -530,6 +555,16 @@ if triton is not None:
                      mask=mask[:, None])
         pair = tl.where(keep[:, None], c_even | (c_odd << 4), 0)  # a byte per pair, element 2 j low
         return tl.sum(pair << (tl.arange(0, 4) * 8)[None, :], axis=1)  # disjoint bytes: the sum is an OR
+
+    @_jit()
+    def _pair_signs(x_ptr, loaded, even, odd):
+        """Sign bits of the pairs of half blocks (``_load_half_blocks``, ``_half_pairs``): [G, 4] uint32
+        with the even element's sign in bit 3 and the odd one's in bit 7 (other bits may be set: callers
+        mask with 0x88). A bf16 word holds them in bits 15 and 31; the high word of its product with
+        2**20 + 2**8 has bit 15 in bit 3 and bit 31 in bit 7 (and in bit 19): one multiply, no shifts."""
+        if x_ptr.dtype.element_ty == tl.bfloat16:
+            return tl.umulhi(loaded & 0x80008000, 0x00100100)
+        return ((even.to(tl.uint32, bitcast=True) >> 28) & 8) | ((odd.to(tl.uint32, bitcast=True) >> 24) & 0x80)
 
     @_jit()
     def _quantize_blocks_tile(
@@ -566,8 +601,13 @@ if triton is not None:
         # NaN has no E2M1 code: blocks whose encode factor is NaN (the only ones where v can be NaN) get 0.
         keep = enc == enc
         flat = rows.to(tl.int64) * K + kb * 16  # flat index of each block's first element
-        w_lo = _half_block_codes(e0, o0, enc, keep, flat, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
-        w_hi = _half_block_codes(e1, o1, enc, keep, flat + 8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
+        if not SR and not FAKE:
+            s0 = _pair_signs(x_ptr, h0, e0, o0)
+            s1 = _pair_signs(x_ptr, h1, e1, o1)
+        else:
+            s0, s1 = 0, 0
+        w_lo = _half_block_codes(e0, o0, s0, enc, keep, flat, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
+        w_hi = _half_block_codes(e1, o1, s1, enc, keep, flat + 8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
         if not FAKE:
             # A block's 16 codes as one 8-byte store (little-endian: the first half block's word first), so a
             # warp's stores cover whole sectors in one instruction.
