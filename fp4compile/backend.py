@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from fp4compile import runtime
+from fp4compile import grad_buffers, runtime
 from fp4compile.passes import pipeline
 from fp4compile.passes.find_gemm_sites import (
     LINEAR_TARGETS, MATMUL_TARGETS, _source_name, module_path, parameter_name,
@@ -51,6 +51,10 @@ class Backend:
     and mid-sized models in emulation. Stochastic rounding stays fresh on every replay (the SR stream's
     step lives on the device, see ``fp4compile.runtime``). ``Recipe(check_finite=True)`` reads values
     back to the host and so runs without CUDA graphs (logged).
+    unused_grad_buffers: give an output that a loss in the same graph is computed from (the logits
+    returned beside the loss) a buffer for its gradient, so that an unused gradient reaches the recorded
+    backward graph without a copy (``fp4compile.grad_buffers``). None (default): where the graphs are
+    recorded in CUDA graphs.
     The backend keeps a ``report`` of its compilations (sites, precisions, kernels, graphs).
     ``FP4COMPILE_CHECK_FINITE=1`` in the environment (read here) turns on ``Recipe.check_finite``.
     """
@@ -62,6 +66,7 @@ class Backend:
         inner: str = "inductor",
         print_ir_after=None,
         mode: Optional[str] = None,
+        unused_grad_buffers: Optional[bool] = None,
         **recipe_fields,
     ):
         if inner not in INNER_COMPILERS:
@@ -79,6 +84,7 @@ class Backend:
                 raise TypeError(f"user passes must be callables fn(gm, ctx) -> gm, got {p!r}")
         self.inner = inner
         self.print_ir_after = print_ir_after
+        self.unused_grad_buffers = unused_grad_buffers
         self.report = Report(self.recipe)
         self._step = 0
         self._forced_high_precision = False
@@ -138,6 +144,7 @@ class Backend:
             user_passes = self.passes
         gm = pipeline.run_passes(gm, ctx, pipeline.dynamo_pipeline(user_passes), "dynamo", self.print_ir_after)
         self.report.add_context(ctx)
+        buffer_plan = self._grad_buffer_plan(gm, config, graph_id)
 
         def aot_passes(graph: fx.GraphModule, stage: str) -> fx.GraphModule:
             graph = pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage, self.print_ir_after)
@@ -147,23 +154,45 @@ class Backend:
             return graph
 
         if self.inner == "inductor":
-            return _compile_inductor(gm, example_inputs, aot_passes, config)
-        return _compile_eager(gm, example_inputs, aot_passes)
+            compiled = _compile_inductor(gm, example_inputs, aot_passes, config)
+        else:
+            compiled = _compile_eager(gm, example_inputs, aot_passes)
+        return grad_buffers.wrap(compiled, buffer_plan) if buffer_plan is not None else compiled
+
+    def _records_graphs(self, inductor_config: dict) -> bool:
+        """Whether Inductor records this compilation in CUDA graphs (this backend's mode, or else
+        Inductor's global setting)."""
+        if self.inner != "inductor":
+            return False
+        graphs = inductor_config.get("triton.cudagraphs")
+        if graphs is None:
+            from torch._inductor import config as inductor_global
+
+            graphs = inductor_global.triton.cudagraphs
+        return bool(graphs)
+
+    def _grad_buffer_plan(self, gm: fx.GraphModule, inductor_config: dict, graph_id: int):
+        """Adds the unused-gradient buffers to ``gm`` where they apply; their plan, or None."""
+        wanted = self.unused_grad_buffers
+        if wanted is None:
+            wanted = self._records_graphs(inductor_config)
+        if not wanted or not torch.is_grad_enabled():
+            return None
+        buffer_plan = grad_buffers.plan(gm)
+        if buffer_plan is not None:
+            grad_buffers.add_buffers(gm, buffer_plan)
+            log.info(
+                "fp4compile: graph %d: outputs read by the graph's own loss get a buffer for an unused gradient: %s",
+                graph_id, ", ".join(buffer_plan.names),
+            )
+        return buffer_plan
 
     def _effective_recipe(self, inductor_config: dict) -> Recipe:
         """The recipe with its automatic choices made for this compilation: ``decoded_operands=None``
-        becomes True where Inductor records the graphs in CUDA graphs (this backend's mode, or else
-        Inductor's global setting), False otherwise."""
+        becomes True where Inductor records the graphs in CUDA graphs, False otherwise."""
         if self.recipe.decoded_operands is not None:
             return self.recipe
-        graphs = False
-        if self.inner == "inductor":
-            graphs = inductor_config.get("triton.cudagraphs")
-            if graphs is None:
-                from torch._inductor import config as inductor_global
-
-                graphs = inductor_global.triton.cudagraphs
-        return self.recipe.replace(decoded_operands=bool(graphs))
+        return self.recipe.replace(decoded_operands=self._records_graphs(inductor_config))
 
     def _inductor_config(self, graph_id: int, quiet: bool = False) -> dict:
         config = dict(self.inductor_config)
@@ -452,7 +481,7 @@ def get_backend(options: Optional[dict] = None, mode: Optional[str] = None) -> B
     key = repr((sorted((options or {}).items()), mode))
     if key not in _backends:
         options = dict(options or {})
-        backend_args = {k: options.pop(k) for k in ("inner", "passes", "print_ir_after") if k in options}
+        backend_args = {k: options.pop(k) for k in ("inner", "passes", "print_ir_after", "unused_grad_buffers") if k in options}
         _backends[key] = Backend(recipe=Recipe.from_options(options), mode=mode, **backend_args)
     return _backends[key]
 

@@ -64,6 +64,18 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class GPTWithLoss(nn.Module):
+    """The usual language-model signature: the logits and the loss computed from them in one graph."""
+
+    def __init__(self, vocab=512, seq=128, n_layer=2, d=32):
+        super().__init__()
+        self.gpt = TinyGPT(n_layer=n_layer, d=d, n_head=2, vocab=vocab, seq=seq)
+
+    def forward(self, idx):
+        logits = self.gpt(idx)
+        return logits, lm_loss(logits, idx)
+
+
 class MLPStack(nn.Module):
     """n blocks of Linear-GELU-Linear with a residual, for precision-plan tests of any depth."""
 

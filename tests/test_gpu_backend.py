@@ -175,3 +175,47 @@ def test_gpu_fuse_amax_keeps_the_bits(fresh_dynamo, monkeypatch, decoded, autoca
         assert ("aten.amax" in final[0]) == (on and not autocast and not rht)
     for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)
+
+
+def test_gpu_unused_logits_gradient_reaches_the_recorded_backward_without_a_copy(fresh_dynamo):
+    """Under CUDA graphs the logits returned beside the loss get a gradient buffer from the forward
+    graph (``fp4compile.grad_buffers``): the recorded backward reads it in place, one input fewer to
+    copy on every replay, and every step's outputs and gradients are the bits of the run without it."""
+    from models import GPTWithLoss, grads
+
+    torch.manual_seed(0)
+    state = GPTWithLoss().state_dict()
+    idx = torch.randint(0, 512, (4, 128), device="cuda")
+    runs, copied = {}, {}
+    for buffers in (True, False):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        runtime.manual_seed(7)
+        m = GPTWithLoss().cuda()
+        m.load_state_dict(state)
+        backend = Backend(mode="reduce-overhead", unused_grad_buffers=None if buffers else False,
+                          high_precision_first_blocks=0, high_precision_last_blocks=0)
+        compiled = torch.compile(m, backend=backend)
+        steps = []
+        for _ in range(4):  # step 1 warms up, step 2 records, steps 3-4 replay
+            torch.compiler.cudagraph_mark_step_begin()
+            logits, loss = compiled(idx)
+            assert (type(logits.grad_fn).__name__ == "_UnusedGradToBufferBackward") == buffers
+            loss.backward()
+            steps.append((logits.detach().clone(), loss.detach().clone(), grads(m)))
+            m.zero_grad(set_to_none=True)
+        counters = torch._dynamo.utils.counters["inductor"]
+        assert not counters["cudagraph_skips"]
+        copied[buffers] = counters["cudagraph_recorded_non_static_inputs"]
+        runs[buffers] = steps
+    assert copied[True] == copied[False] - 1, copied  # the logits' gradient is no longer copied in
+    for step, (a, b) in enumerate(zip(runs[True], runs[False])):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"step {step}: outputs differ"
+        assert a[2].keys() == b[2].keys()
+        for name in b[2]:
+            if name.endswith("_emb.weight"):
+                # CUDA's embedding backward accumulates with atomics: its last bits vary from run to run
+                # (two runs without the buffers differ there as well).
+                torch.testing.assert_close(a[2][name], b[2][name], rtol=1e-5, atol=1e-9)
+            else:
+                assert torch.equal(a[2][name], b[2][name]), f"step {step}: {name}"
