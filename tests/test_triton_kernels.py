@@ -284,15 +284,17 @@ def test_wgrad_amax_rounds_the_largest_rht_value_as_the_reference(dtype):
             assert torch.equal(amax_x.cpu(), x.float().abs().amax())
 
 
-def test_e2m1_ties_and_steps():
-    """With amax = inf the global scale is 1 and a block holding 6 has scale 1: codes see x itself."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_e2m1_ties_and_steps(dtype):
+    """With amax = inf the global scale is 1 and a block holding 6 has scale 1: codes see x itself
+    (bf16: the packed RNE form takes the signs from the input's words)."""
     f32 = np.float32
     ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
     around = [np.nextafter(f32(t), f32(d)) for t in ties + [0.5, 1.0, 6.0] for d in (0, 8)]
     grid = list(formats.E2M1_VALUES) + ties + around + [7.0, 1e-30, 1e-40, 0.1, 2.9, 4.9]
     values = torch.tensor(grid, dtype=torch.float32)
     values = torch.cat([values, -values, torch.rand(512, generator=torch.Generator().manual_seed(0)) * 6.5])
-    x = torch.cat([torch.full((values.numel(), 1), 6.0), values[:, None].expand(-1, 15)], dim=1)
+    x = torch.cat([torch.full((values.numel(), 1), 6.0), values[:, None].expand(-1, 15)], dim=1).to(dtype)
     amax = torch.tensor(float("inf"))
     for rounding in ("rne", "sr"):
         out = tk.quantize_1x16(x.to(DEVICE), rounding, seed=21, amax=amax.to(DEVICE))
