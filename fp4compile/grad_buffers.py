@@ -21,7 +21,8 @@ nothing.
 
 The outputs leave the graph as aliases made by that node, so ``grad_fn`` names it and in-place changes
 to an output behave as before (they share the version counter). Outputs that are views, or that share
-storage with another output, are returned as the graph made them (the node is skipped for that call).
+storage with another output, are returned as the graph made them (the node is skipped for that call);
+inputs the graph returns as they are (a parameter) pass through untouched.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def plan(gm: fx.GraphModule) -> Optional[BufferPlan]:
     output_node = gm.graph.output_node()
     chosen = []
     for i, node in enumerate(outs):
-        if not _needs_grad(node):
+        if not _needs_grad(node) or node.op == "placeholder":  # an input returned as is: no graph output
             continue
         value = node.meta["example_value"]
         if not value.is_floating_point() or value.numel() * value.element_size() < MIN_BYTES:
@@ -114,7 +115,8 @@ class _UnusedGradToBuffer(torch.autograd.Function):
 
 def _attach(outs: list, buffer_plan: BufferPlan, buffers) -> list:
     by_output = dict(zip(buffer_plan.outputs, buffers))
-    grads = [j for j, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    # The graph's own differentiable outputs; leaves (inputs returned as they are) pass through untouched.
+    grads = [j for j, t in enumerate(outs) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     storages = {outs[j].untyped_storage().data_ptr() for j in grads}
     if len(storages) != len(grads) or any(outs[j]._is_view() for j in grads):
         return outs
