@@ -145,6 +145,7 @@ class Backend:
         gm = pipeline.run_passes(gm, ctx, pipeline.dynamo_pipeline(user_passes), "dynamo", self.print_ir_after)
         self.report.add_context(ctx)
         buffer_plan = self._grad_buffer_plan(gm, config, graph_id)
+        ctx.grad_buffers = list(buffer_plan.names) if buffer_plan is not None else []
 
         def aot_passes(graph: fx.GraphModule, stage: str) -> fx.GraphModule:
             graph = pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage, self.print_ir_after)

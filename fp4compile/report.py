@@ -161,6 +161,11 @@ class Report:
         others = [o for ctx in self.latest for o in ctx.other_gemms]
         if others:
             lines.append(f"{len(others)} other matrix products (attention, scans, batched weights) run in high precision")
+        lines += [
+            f"graph {ctx.graph_id}: an unused gradient of {', '.join(ctx.grad_buffers)} reaches the backward "
+            "in a buffer of the forward graph (no copy under CUDA graphs)"
+            for ctx in self.latest if ctx.grad_buffers
+        ]
         lines.append(self.summary())
         return "\n".join(lines)
 

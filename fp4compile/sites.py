@@ -216,6 +216,7 @@ class CompileContext:
         self.final_graphs: dict[str, torch.fx.Graph] = {}  # stage -> graph after the latest pass
         self.fallbacks: list[str] = []
         self.other_gemms: list = []  # matrix products that are not GEMM sites (find_gemm_sites)
+        self.grad_buffers: list[str] = []  # outputs given a buffer for an unused gradient (grad_buffers)
 
     def note(self, message: str) -> None:
         log.info("fp4compile: %s", message)

@@ -62,6 +62,10 @@ def _train(buffers: bool, use_logits: bool, model_state):
     model.load_state_dict(model_state)
     backend = Backend(inner="eager", unused_grad_buffers=buffers, high_precision_first_blocks=0, high_precision_last_blocks=0)
     compiled = torch.compile(model, backend=backend)
+    compiled(_idx())
+    table = backend.report.precision_table()
+    assert ("an unused gradient of" in table) == buffers, table
+    runtime.manual_seed(3)
     seen = []
     for _ in range(2):
         logits, loss = compiled(_idx())
