@@ -13,11 +13,11 @@ buffer and passes it on as the gradient when the output's gradient is unused. A 
 graph produced is an input the next recorded graph reads in place, so the copy goes away; the fill
 stays (it is the gradient). When the gradient is used the buffer is not touched.
 
-Which outputs get a buffer (``plan``): those that need a gradient, hold at least ``MIN_BYTES``, and feed
-another computation in the graph while another output needs a gradient too -- the output that a loss
-in the same graph is computed from. An output nothing else in the graph reads is most likely the input
-of a loss computed outside, whose gradient is always used; it gets none, so as not to hold memory for
-nothing.
+Which outputs get a buffer (``plan``): those that need a gradient, hold at least ``MIN_BYTES``, and that
+a loss output of the same graph (a scalar that needs a gradient) is computed from. Other outputs most
+likely feed a loss computed outside, or the next graph where the model is split into several (graph
+breaks, DDP's buckets), and their gradient is always used; they get none, so as not to hold memory
+for nothing.
 
 The outputs leave the graph as aliases made by that node, so ``grad_fn`` names it and in-place changes
 to an output behave as before (they share the version counter). Outputs that are views, or that share
@@ -61,12 +61,28 @@ def _needs_grad(node) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
 
+def _ancestors(node: fx.Node) -> set:
+    """The nodes ``node`` is computed from (itself included)."""
+    seen, stack = {node}, [node]
+    while stack:
+        for parent in stack.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
 def plan(gm: fx.GraphModule) -> Optional[BufferPlan]:
-    """The outputs of ``gm`` (a dynamo graph, grad enabled) that get a gradient buffer; None if none do."""
+    """The outputs of ``gm`` (a dynamo graph, grad enabled) that get a gradient buffer; None if none do:
+    large floating-point outputs that need a gradient and that a loss output of the same graph (a
+    scalar that needs a gradient) is computed from."""
     outs = _output_nodes(gm)
     if outs is None:
         return None
-    output_node = gm.graph.output_node()
+    losses = [o for o in outs if _needs_grad(o) and o.meta["example_value"].numel() == 1]
+    if not losses:
+        return None
+    upstream = set().union(*(_ancestors(loss) for loss in losses))
     chosen = []
     for i, node in enumerate(outs):
         if not _needs_grad(node) or node.op == "placeholder":  # an input returned as is: no graph output
@@ -74,9 +90,7 @@ def plan(gm: fx.GraphModule) -> Optional[BufferPlan]:
         value = node.meta["example_value"]
         if not value.is_floating_point() or value.numel() * value.element_size() < MIN_BYTES:
             continue
-        read_elsewhere = any(user is not output_node for user in node.users)
-        other_grads = any(_needs_grad(o) for j, o in enumerate(outs) if j != i and o is not node)
-        if read_elsewhere and other_grads:
+        if node in upstream:
             chosen.append(i)
     if not chosen:
         return None

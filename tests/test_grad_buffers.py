@@ -44,9 +44,23 @@ def test_plan_picks_the_output_the_graphs_loss_reads(fresh_dynamo):
     assert len(out) == outputs_before + 1 and out[-1].target is torch.empty_like and out[-1].args[0] is out[0]
 
 
+class TwoActivations(torch.nn.Module):
+    """A graph of a split model: activations out, one of them also read inside, no loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(512, 512), torch.nn.Linear(512, 512)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, self.b(h)
+
+
 def test_plan_skips_outputs_a_loss_outside_reads_and_small_ones(fresh_dynamo):
     torch.manual_seed(0)
     assert grad_buffers.plan(_capture(TinyGPT(n_layer=1, d=32, vocab=VOCAB, seq=128), _idx())) is None
+    torch._dynamo.reset()
+    assert grad_buffers.plan(_capture(TwoActivations(), torch.randn(512, 512))) is None
     torch._dynamo.reset()
     small = WithLoss(vocab=256)  # 512 KiB of logits: autograd's own zeros cost next to nothing
     assert grad_buffers.plan(_capture(small, _idx(256))) is None
