@@ -527,40 +527,41 @@ if triton is not None:
         return rows, kb, (rows < M) & (kb < K // 16)
 
     @_jit()
-    def _half_block_codes(even, odd, signs, enc, keep, start, seed_lo, seed_hi, sf, bd_ptr, mask,
+    def _half_block_codes(x_ptr, loaded, even, odd, enc, keep, start, seed_lo, seed_hi, sf, bd_ptr, mask,
                           SR: tl.constexpr, FAKE: tl.constexpr):
-        """Codes of [G, 8] half blocks, given as their even and odd elements ([G, 4] each, x; v = x * enc,
-        code 0 where the block is not ``keep``) whose first elements have the flat indices ``start`` ([G]
-        int64, multiples of 8): one uint32 per half block, element j in nibble j; with FAKE, stores
-        value * sf at those indices instead. ``signs`` ([G, 4] uint32, ``_pair_signs``): bits 3 and 7 are
-        the signs of a pair's elements (the sign of v is x's: enc > 0 where the block is kept)."""
+        """Codes of [G, 8] half blocks, given as loaded (``_load_half_blocks``) and as their even and odd
+        elements ([G, 4] each, x; v = x * enc, code 0 where the block is not ``keep``) whose first
+        elements have the flat indices ``start`` ([G] int64, multiples of 8): one uint32 per half block,
+        element j in nibble j; with FAKE, stores value * sf at those indices instead."""
         if not SR and not FAKE:
-            # Round to nearest, codes only: magnitudes from ``_e2m1_rne_code_bits``, signs as given.
+            # Round to nearest, codes only: magnitudes from ``_e2m1_rne_code_bits``, signs from x (the sign
+            # of v is x's: enc > 0 where the block is kept).
             c_even = _e2m1_rne_code_bits(even * enc[:, None])
             c_odd = _e2m1_rne_code_bits(odd * enc[:, None])
-            pair = ((c_even + (c_odd << 4)) >> 22) | (signs & 0x88)  # a byte per pair, element 2 j low
-            word = tl.sum(pair << (tl.arange(0, 4) * 8)[None, :], axis=1)  # disjoint bytes: the sum is an OR
-            return tl.where(keep, word, 0)
-        if SR:
-            # Pair index start / 2 + j: start / 2 is a multiple of 4.
-            key = _sr_key((start >> 1)[:, None], seed_lo, seed_hi)
-            r_even, r_odd = _sr_draws(_sr_word(key, tl.arange(0, 4)[None, :]))
+            pair = ((c_even + (c_odd << 4)) >> 22) | (_pair_signs(x_ptr, loaded, even, odd) & 0x88)
         else:
-            r_even, r_odd = 0, 0
-        c_even, v_even = _e2m1(even * enc[:, None], r_even, SR, FAKE)
-        c_odd, v_odd = _e2m1(odd * enc[:, None], r_odd, SR, FAKE)
-        if FAKE:
-            bd = tl.reshape(tl.join(v_even * sf[:, None], v_odd * sf[:, None]), (even.shape[0], 8))
-            tl.store(bd_ptr + start[:, None] + tl.arange(0, 8)[None, :], bd.to(bd_ptr.dtype.element_ty),
-                     mask=mask[:, None])
-        pair = tl.where(keep[:, None], c_even | (c_odd << 4), 0)  # a byte per pair, element 2 j low
-        return tl.sum(pair << (tl.arange(0, 4) * 8)[None, :], axis=1)  # disjoint bytes: the sum is an OR
+            if SR:
+                # Pair index start / 2 + j: start / 2 is a multiple of 4.
+                key = _sr_key((start >> 1)[:, None], seed_lo, seed_hi)
+                r_even, r_odd = _sr_draws(_sr_word(key, tl.arange(0, 4)[None, :]))
+            else:
+                r_even, r_odd = 0, 0
+            c_even, v_even = _e2m1(even * enc[:, None], r_even, SR, FAKE)
+            c_odd, v_odd = _e2m1(odd * enc[:, None], r_odd, SR, FAKE)
+            if FAKE:
+                bd = tl.reshape(tl.join(v_even * sf[:, None], v_odd * sf[:, None]), (even.shape[0], 8))
+                tl.store(bd_ptr + start[:, None] + tl.arange(0, 8)[None, :], bd.to(bd_ptr.dtype.element_ty),
+                         mask=mask[:, None])
+            pair = c_even | (c_odd << 4)
+        # A byte per pair, element 2 j low; disjoint bytes, so the sum is an OR.
+        word = tl.sum(pair << (tl.arange(0, 4) * 8)[None, :], axis=1)
+        return tl.where(keep, word, 0)
 
     @_jit()
     def _pair_signs(x_ptr, loaded, even, odd):
         """Sign bits of the pairs of half blocks (``_load_half_blocks``, ``_half_pairs``): [G, 4] uint32
-        with the even element's sign in bit 3 and the odd one's in bit 7 (other bits may be set: callers
-        mask with 0x88). A bf16 word holds them in bits 15 and 31; the high word of its product with
+        with the even element's sign in bit 3 and the odd one's in bit 7 (other bits may be set: the caller
+        masks with 0x88). A bf16 word holds them in bits 15 and 31; the high word of its product with
         2**20 + 2**8 has bit 15 in bit 3 and bit 31 in bit 7 (and in bit 19): one multiply, no shifts."""
         if x_ptr.dtype.element_ty == tl.bfloat16:
             return tl.umulhi(loaded & 0x80008000, 0x00100100)
@@ -576,22 +577,20 @@ if triton is not None:
         h0 = _load_half_blocks(x_ptr, rows, kb, 0, stride_xm, ok)
         h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
         return _quantize_loaded_blocks(
-            x_ptr, h0, h1, data_ptr, scales_ptr, bd_ptr, amax, M, K, seed_lo, seed_hi, pid_m, pid_k,
-            SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+            x_ptr, h0, h1, rows, kb, ok, data_ptr, scales_ptr, bd_ptr, amax, K, seed_lo, seed_hi, SR, SWIZZLE, FAKE,
         )
 
     @_jit()
     def _quantize_loaded_blocks(
-        x_ptr, h0, h1, data_ptr, scales_ptr, bd_ptr, amax, M, K, seed_lo, seed_hi, pid_m, pid_k,
-        SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, h0, h1, rows, kb, ok, data_ptr, scales_ptr, bd_ptr, amax, K, seed_lo, seed_hi,
+        SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr,
     ):
-        """1x16 blocks of the [BLOCK_M, BLOCK_K] tile at (pid_m, pid_k), given as loaded (h0, h1: the first
-        and second halves of every block, ``_load_half_blocks``) and held as the even and odd elements of
-        each half (``_half_pairs``), so each thread holds whole blocks: the block maximum, scale and
-        encode factor are computed once per block, no data moves between threads, and the two elements of
-        a pair, which share one SR word and one byte of codes, sit side by side. Returns the bits of the
-        tile's abs max."""
-        rows, kb, ok = _tile_blocks(M, K, pid_m, pid_k, BLOCK_M, BLOCK_K)
+        """1x16 blocks of a tile, given as loaded (h0, h1: the first and second halves of the blocks
+        (rows, kb), ``ok`` where inside the tensor: ``_tile_blocks``, ``_load_half_blocks``) and held as
+        the even and odd elements of each half (``_half_pairs``), so each thread holds whole blocks: the
+        block maximum, scale and encode factor are computed once per block, no data moves between
+        threads, and the two elements of a pair, which share one SR word and one byte of codes, sit side
+        by side. Returns the bits of the tile's abs max."""
         e0, o0 = _half_pairs(x_ptr, h0)
         e1, o1 = _half_pairs(x_ptr, h1)
         # The block maximum of |x|; NaN wins (as in the integer order of the bits).
@@ -601,13 +600,8 @@ if triton is not None:
         # NaN has no E2M1 code: blocks whose encode factor is NaN (the only ones where v can be NaN) get 0.
         keep = enc == enc
         flat = rows.to(tl.int64) * K + kb * 16  # flat index of each block's first element
-        if not SR and not FAKE:
-            s0 = _pair_signs(x_ptr, h0, e0, o0)
-            s1 = _pair_signs(x_ptr, h1, e1, o1)
-        else:
-            s0, s1 = 0, 0
-        w_lo = _half_block_codes(e0, o0, s0, enc, keep, flat, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
-        w_hi = _half_block_codes(e1, o1, s1, enc, keep, flat + 8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
+        w_lo = _half_block_codes(x_ptr, h0, e0, o0, enc, keep, flat, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
+        w_hi = _half_block_codes(x_ptr, h1, e1, o1, enc, keep, flat + 8, seed_lo, seed_hi, sf, bd_ptr, ok, SR, FAKE)
         if not FAKE:
             # A block's 16 codes as one 8-byte store (little-endian: the first half block's word first), so a
             # warp's stores cover whole sectors in one instruction.
@@ -691,15 +685,15 @@ if triton is not None:
                 h0 = _load_half_blocks(x_ptr, rows, kb, 0, stride_xm, ok)
                 h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
                 for i in range(ITERS):
-                    c0, c1 = h0, h1
+                    c0, c1, c_rows, c_kb, c_ok = h0, h1, rows, kb, ok
                     # The next tile (none after the last: no block column is below a bound of 0).
                     rows, kb, ok = _tile_blocks(M, tl.where(i + 1 < ITERS, K, 0), pid_m, k_group * ITERS + i + 1,
                                                 BLOCK_M, BLOCK_K)
                     h0 = _load_half_blocks(x_ptr, rows, kb, 0, stride_xm, ok)
                     h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
                     bits = tl.maximum(bits, _quantize_loaded_blocks(
-                        x_ptr, c0, c1, data_ptr, scales_ptr, bd_ptr, amax, M, K, seed_lo, seed_hi, pid_m,
-                        k_group * ITERS + i, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                        x_ptr, c0, c1, c_rows, c_kb, c_ok, data_ptr, scales_ptr, bd_ptr, amax, K, seed_lo, seed_hi,
+                        SR, SWIZZLE, FAKE,
                     ))
             else:
                 for i in range(ITERS):
