@@ -13,10 +13,6 @@ from models import GPTWithLoss, TinyGPT, grads
 VOCAB = 512  # logits of [4, 128, 512] fp32: 1 MiB, the smallest output that gets a buffer
 
 
-def WithLoss(vocab=VOCAB):
-    return GPTWithLoss(vocab=vocab)
-
-
 def _capture(model, *args):
     graphs = []
 
@@ -35,7 +31,7 @@ def _idx(vocab=VOCAB):
 
 def test_plan_picks_the_output_the_graphs_loss_reads(fresh_dynamo):
     torch.manual_seed(0)
-    gm = _capture(WithLoss(), _idx())
+    gm = _capture(GPTWithLoss(), _idx())
     plan = grad_buffers.plan(gm)
     assert plan is not None and plan.n_outputs == 2 and plan.outputs == (0,)
     outputs_before = len(gm.graph.output_node().args[0])
@@ -62,20 +58,27 @@ def test_plan_skips_outputs_a_loss_outside_reads_and_small_ones(fresh_dynamo):
     torch._dynamo.reset()
     assert grad_buffers.plan(_capture(TwoActivations(), torch.randn(512, 512))) is None
     torch._dynamo.reset()
-    small = WithLoss(vocab=256)  # 512 KiB of logits: autograd's own zeros cost next to nothing
+    small = GPTWithLoss(vocab=256)  # 512 KiB of logits: autograd's own zeros cost next to nothing
     assert grad_buffers.plan(_capture(small, _idx(256))) is None
     torch._dynamo.reset()
     with torch.no_grad():  # nothing needs a gradient
-        assert grad_buffers.plan(_capture(WithLoss(), _idx())) is None
+        assert grad_buffers.plan(_capture(GPTWithLoss(), _idx())) is None
+
+
+def _compiled(model_class, state, buffers: bool, **recipe_fields):
+    """(model with ``state``, its Backend, the compiled model): fresh dynamo cache, SR stream seed 3."""
+    torch._dynamo.reset()
+    runtime.manual_seed(3)
+    model = model_class()
+    model.load_state_dict(state)
+    backend = Backend(inner="eager", unused_grad_buffers=buffers, **recipe_fields)
+    return model, backend, torch.compile(model, backend=backend)
 
 
 def _train(buffers: bool, use_logits: bool, model_state):
-    torch._dynamo.reset()
-    runtime.manual_seed(3)
-    model = WithLoss()
-    model.load_state_dict(model_state)
-    backend = Backend(inner="eager", unused_grad_buffers=buffers, high_precision_first_blocks=0, high_precision_last_blocks=0)
-    compiled = torch.compile(model, backend=backend)
+    model, backend, compiled = _compiled(
+        GPTWithLoss, model_state, buffers, high_precision_first_blocks=0, high_precision_last_blocks=0
+    )
     compiled(_idx())
     table = backend.report.precision_table()
     assert ("an unused gradient of" in table) == buffers, table
@@ -102,7 +105,7 @@ def _train(buffers: bool, use_logits: bool, model_state):
 @pytest.mark.parametrize("use_logits", [False, True], ids=["logits-unused", "logits-used"])
 def test_training_gives_the_same_bits_with_buffers(use_logits, fresh_dynamo):
     torch.manual_seed(0)
-    state = WithLoss().state_dict()
+    state = GPTWithLoss().state_dict()
     with_buffers = _train(True, use_logits, state)
     without = _train(False, use_logits, state)
     for a, b in zip(with_buffers[:2], without[:2]):
@@ -114,11 +117,11 @@ def test_training_gives_the_same_bits_with_buffers(use_logits, fresh_dynamo):
 
 def test_buffers_are_off_without_cuda_graphs_and_under_no_grad(fresh_dynamo):
     torch.manual_seed(0)
-    logits, loss = torch.compile(WithLoss(), backend=Backend(inner="eager"))(_idx())
+    logits, loss = torch.compile(GPTWithLoss(), backend=Backend(inner="eager"))(_idx())
     assert type(logits.grad_fn).__name__ == "CompiledFunctionBackward"  # automatic: only under CUDA graphs
     torch._dynamo.reset()
     with torch.no_grad():
-        out = torch.compile(WithLoss(), backend=Backend(inner="eager", unused_grad_buffers=True))(_idx())
+        out = torch.compile(GPTWithLoss(), backend=Backend(inner="eager", unused_grad_buffers=True))(_idx())
     assert len(out) == 2 and out[0].grad_fn is None
 
 
@@ -130,11 +133,8 @@ def test_option_through_the_named_backend(fresh_dynamo):
 
 
 def _in_place_then_backward(buffers: bool, state):
-    torch._dynamo.reset()
-    runtime.manual_seed(3)
-    model = WithLoss()
-    model.load_state_dict(state)
-    logits, loss = torch.compile(model, backend=Backend(inner="eager", unused_grad_buffers=buffers))(_idx())
+    model, _, compiled = _compiled(GPTWithLoss, state, buffers)
+    logits, loss = compiled(_idx())
     logits.mul_(2)
     try:
         (loss + logits.square().mean()).backward()
@@ -147,7 +147,7 @@ def test_in_place_change_of_an_output_behaves_as_without_buffers(fresh_dynamo):
     """The outputs share the version counter of the graph's own, so an in-place change is seen (or
     caught, where the backward saved that output) exactly as without the buffers."""
     torch.manual_seed(0)
-    state = WithLoss().state_dict()
+    state = GPTWithLoss().state_dict()
     with_buffers, without = _in_place_then_backward(True, state), _in_place_then_backward(False, state)
     assert type(with_buffers) is type(without)
     if isinstance(without, str):
@@ -170,10 +170,8 @@ class ReturnsItsWeight(torch.nn.Module):
 
 
 def _weight_grad(buffers: bool, state, x):
-    torch._dynamo.reset()
-    model = ReturnsItsWeight()
-    model.load_state_dict(state)
-    w, y, loss = torch.compile(model, backend=Backend(inner="eager", unused_grad_buffers=buffers))(x)
+    model, _, compiled = _compiled(ReturnsItsWeight, state, buffers)
+    w, y, loss = compiled(x)
     assert w is model.w  # dynamo returns it from outside the graph; the node leaves it alone too
     assert (type(y.grad_fn).__name__ == "_UnusedGradToBufferBackward") == buffers
     loss.backward()

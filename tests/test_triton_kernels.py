@@ -1038,7 +1038,7 @@ def test_kernels_compile_for_hopper_with_whole_blocks_per_thread():
     # launch to 63.8. The packed 1x16 form now takes 4 tiles per program, loading the next before it
     # quantizes the one loaded: the count covers the first tile's loads and one pass of the loop
     # (25.8 RNE, 32.0 SR); the wgrad amax likewise (14.2, with its per-tile reduction gone). Packed 1x16
-    # RNE codes read off r * 2**-126 on the FMA pipe, and the pair signs from the bf16 words: 23.5.
+    # RNE codes read off r * 2**-126 on the FMA pipe, and the pair signs from the bf16 words: 23.2.
     import subprocess
     import sys
 
