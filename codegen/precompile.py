@@ -3,8 +3,7 @@
 Without this, the first call of a compiled model compiles each of fp4compile's Triton kernels when the
 graph first launches it: one after another, after Inductor has compiled the graph. The backend hands
 each rewritten graph to ``start`` before passing it on; ``start`` finds the kernel specializations the
-graph's fp4 ops will launch and compiles them in a thread pool, one kernel per thread, while Inductor
-works (Triton's compiler releases the GIL for most of its work).
+graph's fp4 ops will launch and has them compiled elsewhere while Inductor works.
 
 How it finds them: each distinct fp4 op node (same op, non-tensor arguments and input shapes, strides,
 dtypes and devices) runs its Python implementation on fake tensors made from the node's metadata, with
@@ -15,18 +14,37 @@ for the pending compiles, so none compiles twice. A launch the plan did not fore
 misaligned at run time, say) compiles when it is made, as it did before: the warm-up changes when
 kernels compile, never what runs.
 
-``FP4COMPILE_PRECOMPILE=0`` turns it off; ``FP4COMPILE_PRECOMPILE_THREADS=N`` sets the pool's size
-(default ``min(8, CPUs - 1)``). Triton's front end (the kernel's source to its first IR) is Python and
-holds the GIL, which Inductor's compile in the launching thread needs too: fewer threads leave it more
-of the GIL but take longer over the kernels (on an H200 host, 2 threads made the first call slower
-than the default).
+Where they compile (``FP4COMPILE_PRECOMPILE``):
+
+- ``1`` or ``threads`` (default): in a thread pool of the training process (the warm-up itself
+  compiles). Triton's compiler releases the GIL for most of its work, not for its front end (the
+  kernel's source to its first IR), which takes turns with Inductor's compile of the graph.
+- ``processes``: in worker processes (``codegen.compile_worker``), started when the backend first
+  compiles a graph, so they have imported what they need by the time the first plan is made. The
+  warm-up runs in the training process with Triton's ``jit_cache_hook`` taking each specialization's
+  description instead of compiling it; a worker compiles it into Triton's cache, where the first
+  launch finds it. Each job carries what Triton's cache key depends on beyond the kernel and its
+  specialization as the training process has it (its ptxas and that ptxas's version, the cache
+  directory, the environment variables Triton's key includes): Inductor sets ``TRITON_PTXAS_PATH`` to
+  PyTorch's own ptxas when it compiles a kernel in the training process, which may be after the
+  workers started, and a kernel compiled under another ptxas's key would never be looked up.
+- ``0``: off; each kernel compiles at its first launch.
+
+``FP4COMPILE_PRECOMPILE_THREADS=N`` sets the number of workers, threads or processes (default
+``min(8, CPUs - 1)`` threads, ``min(4, CPUs - 1)`` processes: each imports torch, and a graph has about
+five kernels). A worker that fails leaves its kernels to compile at their first launch.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import os
+import pickle
+import queue
+import subprocess
+import sys
 import threading
 import time
 from typing import Optional
@@ -34,7 +52,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fp4compile import ops, runtime
+from fp4compile import ops
 
 from . import triton_kernels
 
@@ -64,15 +82,30 @@ def _plannable(node: fx.Node) -> bool:
 
 
 _pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_workers: Optional["_WorkerPool"] = None
 _pool_lock = threading.Lock()
+_no_processes: list = []  # why worker processes could not start, if they could not (threads are used then)
+
+
+def mode() -> str:
+    """Where the kernels compile: "threads" (default), "processes" or "off" (``FP4COMPILE_PRECOMPILE``)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on", "threads"):
+        return "threads"
+    if value == "processes":
+        return "threads" if _no_processes else "processes"
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    raise ValueError(f"{ENV}={value!r}: expected 1 or threads (the default), processes, or 0 (off)")
 
 
 def enabled() -> bool:
-    return runtime.env_flag(ENV, True)
+    return mode() != "off"
 
 
-def pool_size() -> int:
-    """Threads compiling in the background: ``FP4COMPILE_PRECOMPILE_THREADS``, else min(8, CPUs - 1)."""
+def pool_size(processes: bool = False) -> int:
+    """Workers compiling in the background: ``FP4COMPILE_PRECOMPILE_THREADS``, else min(8, CPUs - 1)
+    threads or min(4, CPUs - 1) processes (each imports torch; a graph has a handful of kernels)."""
     value = os.environ.get(THREADS_ENV, "").strip()
     if value:
         try:
@@ -80,9 +113,9 @@ def pool_size() -> int:
         except ValueError:
             size = 0
         if size < 1:
-            raise ValueError(f"{THREADS_ENV}={value!r}: expected a whole number of threads, 1 or more")
+            raise ValueError(f"{THREADS_ENV}={value!r}: expected a whole number of workers, 1 or more")
         return size
-    return max(1, min(8, (os.cpu_count() or 2) - 1))
+    return max(1, min(4 if processes else 8, (os.cpu_count() or 2) - 1))
 
 
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -92,6 +125,83 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
             workers = pool_size()
             _pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="fp4compile-precompile")
         return _pool
+
+
+class _WorkerPool:
+    """``compile_worker`` processes, and a thread per worker that hands it a job and waits for the reply
+    (blocked on a pipe, without the GIL)."""
+
+    def __init__(self, size: int):
+        self._idle: queue.Queue = queue.Queue()
+        self._procs: list = []
+        for _ in range(size):
+            self._idle.put(self._spawn())
+        self._threads = concurrent.futures.ThreadPoolExecutor(size, thread_name_prefix="fp4compile-precompile")
+        atexit.register(self.close)
+
+    def _spawn(self) -> subprocess.Popen:
+        # The worker imports the kernels' module the way this process did: same interpreter and path.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        proc = subprocess.Popen(
+            [sys.executable, "-m", f"{__package__}.compile_worker", triton_kernels.__name__],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+        )
+        self._procs.append(proc)
+        return proc
+
+    def submit(self, job) -> concurrent.futures.Future:
+        return self._threads.submit(self._run, job)
+
+    def _run(self, job) -> Optional[str]:
+        proc = self._idle.get()
+        try:
+            pickle.dump(job, proc.stdin)
+            proc.stdin.flush()
+            reply = pickle.load(proc.stdout)
+        except (OSError, EOFError, pickle.UnpicklingError) as err:
+            proc.kill()
+            reply = f"the worker process ended (exit code {proc.poll()}): {type(err).__name__}: {err}"
+            proc = self._spawn()
+        finally:
+            self._idle.put(proc)
+        if reply is not None:  # the launch will compile the kernel, and raise its error if it has one
+            log.debug("fp4compile: precompile of %s in a worker process failed: %s", job[1], reply)
+        return reply
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                try:
+                    proc.stdin.close()  # the worker exits at the end of its input
+                    proc.wait(timeout=5)
+                except (OSError, subprocess.TimeoutExpired):
+                    proc.kill()
+
+
+def _worker_pool() -> "_WorkerPool":
+    global _workers
+    with _pool_lock:
+        if _workers is None:
+            _workers = _WorkerPool(pool_size(processes=True))
+        return _workers
+
+
+def _active() -> bool:
+    """Whether ``start`` compiles anything here: the switch on, compiled Triton kernels on a CUDA GPU."""
+    if not enabled() or not torch.cuda.is_available() or triton_kernels._interpreting():
+        return False
+    return triton_kernels.available()[0]
+
+
+def prepare() -> None:
+    """Start the worker processes now, so that they are ready when the first plan is made (the backend
+    calls this when it first compiles a graph). Nothing happens unless they are the mode in use."""
+    if _active() and mode() == "processes":
+        try:
+            _worker_pool()
+        except OSError as err:
+            log.warning("fp4compile: no worker processes for the Triton kernels (%s); compiling them in threads", err)
+            _no_processes.append(err)
 
 
 class _StandIn:
@@ -185,6 +295,64 @@ def _compile(device, launches) -> None:
                 log.debug("fp4compile: precompile of %s failed: %s", kernel, err)
 
 
+def _specializations(launches) -> list[tuple]:
+    """[(kernel, specialization data, target)] of the planned launches that this process has not compiled
+    yet, one per specialization: Triton's own description of what it would compile (what its
+    ``jit_cache_hook`` receives, and ``JITFunction.preload`` takes), taken while each launch is warmed up
+    with that hook refusing the compile. The hook acts only in this thread; others see the one before."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    me = threading.get_ident()
+    previous = knobs.runtime.jit_cache_hook
+    seen: dict = {}
+    current: list = []
+
+    def hook(**kwargs):
+        if threading.get_ident() != me:
+            return previous(**kwargs) if previous is not None else None
+        current.append((kwargs["fn"].jit_function, kwargs["compile"]["specialization_data"]))
+        return True  # compiled elsewhere: skip it here
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        for launch in launches:
+            device = _device(launch)
+            if device is None:
+                continue
+            kernel, grid, args, kwargs = launch
+            with torch.cuda.device(device):
+                try:
+                    kernel.warmup(*args, grid=grid, **kwargs)
+                    target = driver.active.get_current_target()
+                except Exception as err:  # the launch itself will raise it, with its own context
+                    log.debug("fp4compile: precompile of %s failed: %s", kernel, err)
+                    current.clear()
+                    continue
+            for fn, data in current:
+                seen.setdefault(data, (fn, data, target))
+            current.clear()
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    return list(seen.values())
+
+
+def job(kernel, data, target) -> tuple:
+    """A worker's job (``compile_worker``): the kernel (module and name), its specialization data, the
+    target, and what Triton's cache key depends on besides them, as this process has it now: the cache
+    directory, the ptxas for the target (path and version: the version is computed once per process and
+    enters the key) and the environment variables the key includes."""
+    from triton import knobs
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    toolchain = {"cache_dir": knobs.cache.dir, "env": dict(get_cache_invalidating_env_vars())}
+    if target.backend == "cuda":
+        from triton.backends.nvidia import compiler as nvidia
+
+        toolchain["ptxas"] = (nvidia.get_ptxas(target.arch).path, nvidia.get_ptxas_version(target.arch))
+    return kernel.fn.__module__, kernel.fn.__name__, data, target, toolchain
+
+
 def _device(launch) -> Optional[torch.device]:
     """The CUDA device of a planned launch (that of its tensor arguments); None off CUDA."""
     for value in (*launch[2], *launch[3].values()):
@@ -197,27 +365,33 @@ def start(gm: fx.GraphModule, what: str) -> list[concurrent.futures.Future]:
     """Plan ``gm``'s launches and compile their kernels in the background; returns the futures (the
     next launch waits for them). Nothing happens without compiled Triton kernels on a CUDA GPU, or with
     the switch off."""
-    if not enabled() or not torch.cuda.is_available() or triton_kernels._interpreting():
+    if not _active():
         return []
-    if not triton_kernels.available()[0]:
-        return []
+    prepare()
     t0 = time.perf_counter()
     try:
         launches = plan(gm)
+        if mode() == "processes":
+            specs = _specializations(launches)
+            pool = _worker_pool()
+            futures = [pool.submit(job(fn, data, target)) for fn, data, target in specs]
+            kernels, where = len(specs), "worker processes"
+        else:
+            groups: dict = {}  # (kernel, device) -> its launches
+            for launch in launches:
+                device = _device(launch)
+                if device is not None:
+                    groups.setdefault((launch[0], device), []).append(launch)
+            futures = [_executor().submit(_compile, device, group) for (_, device), group in groups.items()]
+            kernels, where = len(groups), "threads"
     except Exception as err:  # an optimization only: the kernels then compile at their first launch
         log.warning("fp4compile: %s: no background compile of the Triton kernels: %s: %s", what, type(err).__name__, err)
         return []
-    groups: dict = {}  # (kernel, device) -> its launches
-    for launch in launches:
-        device = _device(launch)
-        if device is not None:
-            groups.setdefault((launch[0], device), []).append(launch)
-    if not groups:
+    if not futures:
         return []
-    futures = [_executor().submit(_compile, device, group) for (_, device), group in groups.items()]
     log.info(
-        "fp4compile: %s: compiling %d Triton kernels (%d launches) in the background (planned in %.2f s)",
-        what, len(groups), sum(map(len, groups.values())), time.perf_counter() - t0,
+        "fp4compile: %s: compiling %d Triton kernels (%d launches) in %s (planned in %.2f s)",
+        what, kernels, len(launches), where, time.perf_counter() - t0,
     )
     remaining = [len(futures)]
     lock = threading.Lock()
@@ -228,7 +402,7 @@ def start(gm: fx.GraphModule, what: str) -> list[concurrent.futures.Future]:
             last = remaining[0] == 0
         if last:
             log.info("fp4compile: %s: background compile of %d Triton kernels done after %.1f s",
-                     what, len(groups), time.perf_counter() - t0)
+                     what, kernels, time.perf_counter() - t0)
 
     for future in futures:
         future.add_done_callback(finished)

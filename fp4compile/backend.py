@@ -127,6 +127,9 @@ class Backend:
     # -- compilation ---------------------------------------------------------------------------
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
+        from fp4compile.codegen import precompile
+
+        precompile.prepare()  # start the kernel compile workers while the graph is traced and rewritten
         check_gemm_dtypes(gm)
         original = clone_dynamo_module(gm)
         scope = _ModelScope.find(gm, example_inputs)

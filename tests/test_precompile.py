@@ -124,8 +124,9 @@ def test_ops_expose_their_implementations():
 def test_pool_size_from_the_environment(monkeypatch):
     monkeypatch.delenv(precompile.THREADS_ENV, raising=False)
     assert precompile.pool_size() == max(1, min(8, (os.cpu_count() or 2) - 1))
+    assert precompile.pool_size(processes=True) == max(1, min(4, (os.cpu_count() or 2) - 1))
     monkeypatch.setenv(precompile.THREADS_ENV, "2")
-    assert precompile.pool_size() == 2
+    assert precompile.pool_size() == precompile.pool_size(processes=True) == 2
     for bad in ("0", "-1", "two"):
         monkeypatch.setenv(precompile.THREADS_ENV, bad)
         with pytest.raises(ValueError, match=precompile.THREADS_ENV):
@@ -150,34 +151,46 @@ class MLP(torch.nn.Module):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_gpu_first_call_compiles_no_kernel_in_the_training_thread(fresh_dynamo, monkeypatch, mode):
+def test_gpu_first_call_compiles_no_kernel_in_the_training_thread(fresh_dynamo, monkeypatch, tmp_path, mode):
     """Every kernel the compiled step launches was compiled in the background while Inductor compiled
-    the graphs: the first call compiles none in the thread that launches it (the caller's for the
-    forward, autograd's for the backward), and gives the bits of a call without the warm-up."""
+    the graphs: with threads (the default) none in the thread that launches it (the caller's for the
+    forward, autograd's for the backward); with worker processes none in this process, its launches
+    load them from Triton's cache (where Inductor has by then pointed Triton at PyTorch's ptxas, the
+    workers' compiles must still be found). Each way gives the bits of a call without the warm-up,
+    which compiles them in the caller. Each round starts from an empty Triton cache."""
+    from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
     from fp4compile import Backend
 
     ours = [k for k in vars(tk).values() if isinstance(k, JITFunction)]
-    compiles = []
-    original = JITFunction._do_compile
+    names = {k.fn.__name__ for k in ours}
+    loads, builds = [], []
+    original_do_compile, original_make_ir = JITFunction._do_compile, ASTSource.make_ir
 
-    def recorded(self, *args, **kwargs):
-        if self in ours:  # (kernel, compiled by the caller: the training thread or autograd's, not the pool)
-            caller = not threading.current_thread().name.startswith("fp4compile-precompile")
-            compiles.append((self.fn.__name__, caller))
-        return original(self, *args, **kwargs)
+    def do_compile(self, *args, **kwargs):  # the launch's compile: a build, or a load from the cache
+        if self.fn.__name__ in names:
+            loads.append(self.fn.__name__)
+        return original_do_compile(self, *args, **kwargs)
 
-    monkeypatch.setattr(JITFunction, "_do_compile", recorded)
+    def make_ir(self, *args, **kwargs):  # Triton's front end: runs only when the kernel is built here
+        if self.fn.__name__ in names:
+            builds.append((self.fn.__name__, not threading.current_thread().name.startswith("fp4compile-precompile")))
+        return original_make_ir(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", do_compile)
+    monkeypatch.setattr(ASTSource, "make_ir", make_ir)
     torch.manual_seed(0)
     model = MLP().cuda()
     x = torch.randn(512, 256, device="cuda")
     results = []
-    for switch in ("1", "0"):
+    for switch in ("processes", "threads", "0"):
         monkeypatch.setenv(precompile.ENV, switch)
-        for kernel in ours:  # forget what earlier tests (or the first round) compiled in this process
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / switch))
+        for kernel in ours:  # forget what earlier tests (or rounds) compiled in this process
             kernel.device_caches.clear()
-        compiles.clear()
+        loads.clear()
+        builds.clear()
         torch._dynamo.reset()
         runtime.manual_seed(3)
         backend = Backend(mode=mode, high_precision_first_blocks=0, high_precision_last_blocks=0)
@@ -187,14 +200,20 @@ def test_gpu_first_call_compiles_no_kernel_in_the_training_thread(fresh_dynamo, 
             y = torch.compile(m, backend=backend)(x)
         y.float().square().sum().backward()
         results.append([y.detach().float().cpu()] + [p.grad.cpu() for p in m.parameters()])
-        assert len({name for name, _ in compiles}) >= 3, compiles
-        in_caller = sorted({name for name, caller in compiles if caller})
-        if switch == "1":
-            assert compiles and not in_caller, f"compiled by the caller: {in_caller}"
+        assert len(set(loads)) >= 3, loads
+        in_caller = sorted({name for name, caller in builds if caller})
+        if switch == "processes":
+            assert not builds, f"built in the training process: {builds}"
+            assert len(list((tmp_path / switch).rglob("*.cubin"))) >= len(set(loads))
+        elif switch == "threads":
+            assert builds and not in_caller, f"built by the caller: {in_caller}"
         else:
-            assert in_caller and all(caller for _, caller in compiles)
-    for on, off in zip(*results):
+            assert in_caller and all(caller for _, caller in builds)
+    for on, off in zip(results[0], results[2]):
         assert torch.equal(on, off)
+    for on, off in zip(results[1], results[2]):
+        assert torch.equal(on, off)
+
 
 
 def test_device_constants_stay_real_when_first_built_on_fake_tensors():
@@ -240,3 +259,88 @@ def test_plan_runs_each_distinct_node_once(monkeypatch):
     assert calls == [(64, 32), (32, 64)]
     assert [launch[0].fn.__name__ for launch in launches] == ["_amax_kernel", "_quantize_rows_kernel"] * 2
     assert [launch[2][7:9] for launch in launches if launch[0] is tk._quantize_rows_kernel] == [(64, 32), (32, 64)]
+
+
+def test_precompile_mode_from_the_environment(monkeypatch):
+    monkeypatch.delenv(precompile.ENV, raising=False)
+    assert precompile.mode() == "threads"
+    for value, want in (("1", "threads"), ("threads", "threads"), ("processes", "processes"), ("0", "off")):
+        monkeypatch.setenv(precompile.ENV, value)
+        assert precompile.mode() == want
+    monkeypatch.setenv(precompile.ENV, "process")
+    with pytest.raises(ValueError, match=precompile.ENV):
+        precompile.mode()
+
+
+def test_worker_process_compiles_into_the_cache_the_training_process_reads(tmp_path, monkeypatch):
+    """A worker compiles a specialization for a GPU target without touching a GPU, from Triton's own
+    description of it (taken by the ``jit_cache_hook`` of a warm-up here, as ``start`` does), under the
+    key this process's launch path looks up: a warm-up here afterwards adds nothing to the cache. The
+    worker starts with Triton's own ptxas; where another ptxas is at hand, this process switches to it
+    after the worker started (as Inductor does when it compiles), and the job must carry that."""
+    import shutil
+
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia import compiler as nvidia
+    from triton.runtime.driver import driver
+
+    import compile_worker_kernels as kernels
+
+    target = GPUTarget("cuda", 90, 32)
+
+    class SM90Driver:  # what a warm-up asks of the driver; nothing runs
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+        def get_current_target(self):
+            return target
+
+    def cache_files():
+        return sorted(p.relative_to(cache) for p in cache.rglob("*") if p.is_file())
+
+    def warm_up():
+        kernels.add_one.warmup(torch.empty(1024), 1024, BLOCK=256, grid=(4,))
+
+    cache = tmp_path / "triton"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    interpret = os.environ.pop("TRITON_INTERPRET", None)  # the worker compiles for the GPU; nothing runs
+    try:
+        pool = precompile._WorkerPool(1)  # started before this process changes its ptxas
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
+    own_ptxas = nvidia.get_ptxas(90).path
+    other = shutil.which("ptxas") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "ptxas")
+    previous_driver, previous_hook = driver._active, knobs.runtime.jit_cache_hook
+    taken = []
+    try:
+        if os.path.isfile(other) and os.path.realpath(other) != os.path.realpath(own_ptxas):
+            monkeypatch.setenv("TRITON_PTXAS_PATH", other)
+        nvidia.get_ptxas_version.cache_clear()
+        driver.set_active(SM90Driver())
+        kernels.add_one.device_caches.clear()
+        knobs.runtime.jit_cache_hook = lambda **kw: taken.append((kw["fn"].jit_function, kw["compile"])) or True
+        warm_up()
+        knobs.runtime.jit_cache_hook = previous_hook
+        assert len(taken) == 1 and not cache.exists()  # described, not compiled
+        fn, compile_args = taken[0]
+        work = precompile.job(fn, compile_args["specialization_data"], target)
+        bad = pool.submit((work[0], "no_such_kernel", *work[2:])).result(timeout=600)
+        reply = pool.submit(work).result(timeout=600)
+        assert "no_such_kernel" in bad  # an error comes back as text; the worker goes on
+        assert reply is None
+        compiled = cache_files()
+        assert any(p.suffix == ".cubin" for p in compiled), compiled
+        warm_up()  # this process's own compile: finds the worker's
+        assert cache_files() == compiled
+    finally:
+        knobs.runtime.jit_cache_hook = previous_hook
+        driver._active = previous_driver
+        kernels.add_one.device_caches.clear()
+        nvidia.get_ptxas_version.cache_clear()
+        pool.close()
