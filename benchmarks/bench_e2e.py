@@ -83,8 +83,9 @@ def check_bit_exact() -> str:
     return "bit-exact"
 
 
-def training_step(variant: str, d_model: int, n_layer: int, batch: int):
-    """(step function running one AdamW training step of the benchmark GPT, the nvfp4 Backend or None, cfg)."""
+def training_setup(variant: str, d_model: int, n_layer: int, batch: int) -> dict:
+    """The pieces of the benchmark's training step: compiled model, optimizer, input, whether the step
+    runs under CUDA graphs, the nvfp4 Backend (or None) and the model's config."""
     import fp4compile
 
     torch.manual_seed(0)
@@ -98,6 +99,13 @@ def training_step(variant: str, d_model: int, n_layer: int, batch: int):
     backend = fp4compile.Backend(mode=mode, decoded_operands=decoded) if variant == "nvfp4" else None
     compiled = torch.compile(model, backend=backend or "inductor", mode=None if backend else mode)
     x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), device="cuda")
+    return dict(compiled=compiled, opt=opt, x=x, graphs=graphs, backend=backend, cfg=cfg)
+
+
+def training_step(variant: str, d_model: int, n_layer: int, batch: int):
+    """(step function running one AdamW training step of the benchmark GPT, the nvfp4 Backend or None, cfg)."""
+    s = training_setup(variant, d_model, n_layer, batch)
+    compiled, opt, x, graphs = s["compiled"], s["opt"], s["x"], s["graphs"]
 
     def step():
         if graphs:
@@ -109,7 +117,7 @@ def training_step(variant: str, d_model: int, n_layer: int, batch: int):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return step, backend, cfg
+    return step, s["backend"], s["cfg"]
 
 
 def run_variant(variant: str, d_model: int, n_layer: int, steps: int, batch: int) -> dict:
