@@ -10,7 +10,12 @@ variant sets ``Recipe(decoded_operands=True)``, a ``-packed`` one ``decoded_oper
 either, the recipe's default: decoded with CUDA graphs, packed without). Ratios are given against
 ``bf16``, plain ``torch.compile``.
 
+A cold start's first call varies between processes, BF16's by several seconds: ``--cold-starts N``
+starts each variant N times (the further starts run only the first step) and reports the median first
+step, with every start's figure beside it.
+
     python benchmarks/bench_e2e.py --out results.json            # d=1024 and d=2048, all variants
+    python benchmarks/bench_e2e.py --d-model 1024 --variants bf16 nvfp4-cg --cold-starts 3
 """
 
 from __future__ import annotations
@@ -120,13 +125,15 @@ def training_step(variant: str, d_model: int, n_layer: int, batch: int):
     return step, s["backend"], s["cfg"]
 
 
-def run_variant(variant: str, d_model: int, n_layer: int, steps: int, batch: int) -> dict:
+def run_variant(variant: str, d_model: int, n_layer: int, steps: int, batch: int, first_only: bool = False) -> dict:
     step, backend, cfg = training_step(variant, d_model, n_layer, batch)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     loss = step()
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
+    if first_only:
+        return {"variant": variant, "d_model": d_model, "first_step_s": first}
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -165,10 +172,15 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument("--out", default="bench_e2e.json")
+    p.add_argument("--cold-starts", type=int, default=1, help="starts per variant for the first-call figure (median)")
+    p.add_argument("--first-step-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.variant:
-        print(json.dumps(run_variant(args.variant, args.d_model[0], args.n_layer, args.steps, args.batch)))
+        print(json.dumps(run_variant(args.variant, args.d_model[0], args.n_layer, args.steps, args.batch,
+                                     args.first_step_only)))
         return
+    if args.cold_starts < 1:
+        p.error("--cold-starts must be 1 or more")
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat()}
     try:
         import triton
@@ -177,19 +189,33 @@ def main():
     except ImportError:
         pass
     results["check"] = check_bit_exact()
+
+    def start(variant: str, d: int, first_only: bool = False) -> dict:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=tempfile.mkdtemp())
+        cmd = [sys.executable, __file__, "--variant", variant, "--d-model", str(d), "--n-layer", str(args.n_layer),
+               "--steps", str(args.steps), "--batch", str(args.batch)] + (["--first-step-only"] if first_only else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return {"variant": variant, "d_model": d, "error": proc.stderr[-500:]}
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
     rows = []
     for d in args.d_model:
         for variant in args.variants:
-            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=tempfile.mkdtemp())
-            cmd = [sys.executable, __file__, "--variant", variant, "--d-model", str(d), "--n-layer", str(args.n_layer),
-                   "--steps", str(args.steps), "--batch", str(args.batch)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode:
-                print(proc.stderr[-3000:], file=sys.stderr)
-                rows.append({"variant": variant, "d_model": d, "error": proc.stderr[-500:]})
-                continue
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(f"done {variant} d={d}: {rows[-1]}", file=sys.stderr, flush=True)
+            row = start(variant, d)
+            if "error" not in row and args.cold_starts > 1:
+                firsts = [row["first_step_s"]]
+                for _ in range(args.cold_starts - 1):
+                    again = start(variant, d, first_only=True)
+                    if "error" in again:
+                        row["error"] = again["error"]
+                        break
+                    firsts.append(again["first_step_s"])
+                row["first_step_runs_s"] = firsts
+                row["first_step_s"] = sorted(firsts)[len(firsts) // 2]  # the median (the upper one of an even count)
+            rows.append(row)
+            print(f"done {variant} d={d}: {row}", file=sys.stderr, flush=True)
             Path(args.out).write_text(json.dumps(dict(results, rows=rows), indent=1))
     results["rows"] = rows
     Path(args.out).write_text(json.dumps(results, indent=1))
@@ -210,6 +236,10 @@ def main():
             print(f"{d:>5} {r['variant']:9} {r['step_ms_median']:8.1f} {ratio('step_ms_median'):7.2f} "
                   f"{r['peak_reserved_gib']:12.2f} {ratio('peak_reserved_gib'):7.2f} {r['peak_mem_gib']:13.2f} "
                   f"{r['first_step_s']:6.1f} {ratio('first_step_s'):7.2f}")
+    for r in rows:
+        if "first_step_runs_s" in r:
+            runs = ", ".join(f"{t:.1f}" for t in r["first_step_runs_s"])
+            print(f"first steps of {r['variant']} d={r['d_model']} over {len(r['first_step_runs_s'])} cold starts: {runs} s")
 
 
 if __name__ == "__main__":
