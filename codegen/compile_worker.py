@@ -11,9 +11,10 @@ version, environment). The kernel is compiled into that cache under the key the 
 first launch of the same specialization looks up, and the reply (pickled on stdout) is None or the
 error's text.
 
-The worker never touches the GPU: Triton's driver is replaced by one that only names the target, so
-neither a CUDA context nor GPU memory is taken. Compiling in another process keeps Triton's front end
-(Python, holding the GIL) out of the training process, where Inductor compiles the graph meanwhile.
+Compiling needs no GPU: Triton's driver is replaced by one that only names the target (the kernels'
+module asks torch whether a GPU is present when imported, nothing more). Compiling in another process
+keeps Triton's front end (Python, holding the GIL) out of the training process, where Inductor
+compiles the graph meanwhile.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def _use_toolchain(toolchain: dict, arch: int) -> None:
 
         path, version = toolchain["ptxas"]
         os.environ["TRITON_PTXAS_BLACKWELL_PATH" if arch >= 100 else "TRITON_PTXAS_PATH"] = path
-        # The key takes ptxas's version as read once per process; take the training process's reading.
+        # The key takes ptxas's version as read once per process; take the training process's reading
+        # (Triton's knob for a fixed version string, which it then returns instead of asking ptxas).
         knobs.nvidia.mock_ptx_version = version
         nvidia.get_ptxas_version.cache_clear()
 
