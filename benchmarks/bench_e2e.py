@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -88,9 +89,10 @@ def check_bit_exact() -> str:
     return "bit-exact"
 
 
-def training_setup(variant: str, d_model: int, n_layer: int, batch: int) -> dict:
+def training_setup(variant: str, d_model: int, n_layer: int, batch: int, inner: str = "inductor") -> dict:
     """The pieces of the benchmark's training step: compiled model, optimizer, input, whether the step
-    runs under CUDA graphs, the nvfp4 Backend (or None) and the model's config."""
+    runs under CUDA graphs, the nvfp4 Backend (or None) and the model's config. ``inner``: what compiles
+    the nvfp4 variants' rewritten graphs (``Backend(inner=...)``)."""
     import fp4compile
 
     torch.manual_seed(0)
@@ -101,7 +103,7 @@ def training_setup(variant: str, d_model: int, n_layer: int, batch: int) -> dict
     mode = "reduce-overhead" if graphs else None
     model, cfg = build(d_model, n_layer, variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    backend = fp4compile.Backend(mode=mode, decoded_operands=decoded) if variant == "nvfp4" else None
+    backend = fp4compile.Backend(mode=mode, decoded_operands=decoded, inner=inner) if variant == "nvfp4" else None
     compiled = torch.compile(model, backend=backend or "inductor", mode=None if backend else mode)
     x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), device="cuda")
     return dict(compiled=compiled, opt=opt, x=x, graphs=graphs, backend=backend, cfg=cfg)
@@ -163,6 +165,17 @@ def run_variant(variant: str, d_model: int, n_layer: int, steps: int, batch: int
     return out
 
 
+def cold_start(script: str, argv: list, triton_cache: Optional[str] = None) -> dict:
+    """Run ``script`` with ``argv`` in a new process with a fresh Inductor cache and a fresh Triton cache
+    (or the given one): the JSON of its last output line, or {"error": the end of its stderr}."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=triton_cache or tempfile.mkdtemp())
+    proc = subprocess.run([sys.executable, script, *argv], env=env, capture_output=True, text=True)
+    if proc.returncode:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        return {"error": proc.stderr[-500:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--variant", choices=VARIANTS)
@@ -191,14 +204,10 @@ def main():
     results["check"] = check_bit_exact()
 
     def start(variant: str, d: int, first_only: bool = False) -> dict:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=tempfile.mkdtemp())
-        cmd = [sys.executable, __file__, "--variant", variant, "--d-model", str(d), "--n-layer", str(args.n_layer),
-               "--steps", str(args.steps), "--batch", str(args.batch)] + (["--first-step-only"] if first_only else [])
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            print(proc.stderr[-3000:], file=sys.stderr)
-            return {"variant": variant, "d_model": d, "error": proc.stderr[-500:]}
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        row = cold_start(__file__, ["--variant", variant, "--d-model", str(d), "--n-layer", str(args.n_layer),
+                                    "--steps", str(args.steps), "--batch", str(args.batch)]
+                         + (["--first-step-only"] if first_only else []))
+        return dict(row, variant=variant, d_model=d) if "error" in row else row
 
     rows = []
     for d in args.d_model:

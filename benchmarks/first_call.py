@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,18 +46,11 @@ METRICS = (
 def first_step(variant: str, d_model: int, n_layer: int, batch: int) -> dict:
     """Phases of the first training step of ``variant`` in this process ("prewarm": nvfp4 compiled with
     ``inner="eager"``, which builds only fp4compile's kernels)."""
-    import fp4compile
-
     if variant == "prewarm":
-        torch.manual_seed(0)
-        model, cfg = bench_e2e.build(d_model, n_layer, "nvfp4")
-        compiled = torch.compile(model, backend=fp4compile.Backend(inner="eager"))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), device="cuda")
-        graphs = False
+        s = bench_e2e.training_setup("nvfp4", d_model, n_layer, batch, inner="eager")
     else:
         s = bench_e2e.training_setup(variant, d_model, n_layer, batch)
-        compiled, opt, x, graphs = s["compiled"], s["opt"], s["x"], s["graphs"]
+    compiled, opt, x, graphs = s["compiled"], s["opt"], s["x"], s["graphs"]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     if graphs:
@@ -84,15 +75,9 @@ def first_step(variant: str, d_model: int, n_layer: int, batch: int) -> dict:
 
 
 def run(variant: str, args, triton_cache: str | None = None) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
-               TRITON_CACHE_DIR=triton_cache or tempfile.mkdtemp())
-    cmd = [sys.executable, __file__, "--variant", variant, "--d-model", str(args.d_model),
-           "--n-layer", str(args.n_layer), "--batch", str(args.batch)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        return {"variant": variant, "error": proc.stderr[-500:]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    row = bench_e2e.cold_start(__file__, ["--variant", variant, "--d-model", str(args.d_model),
+                                          "--n-layer", str(args.n_layer), "--batch", str(args.batch)], triton_cache)
+    return dict(row, variant=variant) if "error" in row else row
 
 
 def main():
