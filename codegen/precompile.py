@@ -307,6 +307,7 @@ def _specializations(launches) -> list[tuple]:
     previous = knobs.runtime.jit_cache_hook
     seen: dict = {}
     current: list = []
+    targets: dict = {}  # device -> the GPUTarget its kernels compile for
 
     def hook(**kwargs):
         if threading.get_ident() != me:
@@ -324,13 +325,14 @@ def _specializations(launches) -> list[tuple]:
             with torch.cuda.device(device):
                 try:
                     kernel.warmup(*args, grid=grid, **kwargs)
-                    target = driver.active.get_current_target()
+                    if device not in targets:
+                        targets[device] = driver.active.get_current_target()
                 except Exception as err:  # the launch itself will raise it, with its own context
                     log.debug("fp4compile: precompile of %s failed: %s", kernel, err)
                     current.clear()
                     continue
             for fn, data in current:
-                seen.setdefault(data, (fn, data, target))
+                seen.setdefault(data, (fn, data, targets[device]))
             current.clear()
     finally:
         knobs.runtime.jit_cache_hook = previous
