@@ -62,16 +62,16 @@ class NaiveFQLinear(nn.Linear):
         return F.linear(naive_fake_quant(x), naive_fake_quant(self.weight), self.bias)
 
 
-def build(d_model: int, n_layer: int, variant: str):
+def build(d_model: int, n_layer: int, variant: str, device: str = "cuda"):
     from gpt import GPT, GPTConfig
 
     cfg = GPTConfig(n_layer=n_layer, n_head=d_model // 64, d_model=d_model, seq_len=1024, vocab=50304)
-    model = GPT(cfg).cuda()
+    model = GPT(cfg).to(device)
     if variant == "naive":
         for name, mod in list(model.named_modules()):
             for child_name, child in list(mod.named_children()):
                 if type(child) is nn.Linear and child_name != "lm_head":
-                    new = NaiveFQLinear(child.in_features, child.out_features, bias=child.bias is not None).cuda()
+                    new = NaiveFQLinear(child.in_features, child.out_features, bias=child.bias is not None).to(device)
                     new.load_state_dict(child.state_dict())
                     setattr(mod, child_name, new)
     return model, cfg
@@ -89,10 +89,12 @@ def check_bit_exact() -> str:
     return "bit-exact"
 
 
-def training_setup(variant: str, d_model: int, n_layer: int, batch: int, inner: str = "inductor") -> dict:
+def training_setup(variant: str, d_model: int, n_layer: int, batch: int, inner: str = "inductor",
+                   device: str = "cuda") -> dict:
     """The pieces of the benchmark's training step: compiled model, optimizer, input, whether the step
     runs under CUDA graphs, the nvfp4 Backend (or None) and the model's config. ``inner``: what compiles
-    the nvfp4 variants' rewritten graphs (``Backend(inner=...)``)."""
+    the nvfp4 variants' rewritten graphs (``Backend(inner=...)``); ``device``: "cuda" or "cpu" (the
+    first-call benchmark's CPU runs; no ``-cg`` variant there)."""
     import fp4compile
 
     torch.manual_seed(0)
@@ -101,11 +103,13 @@ def training_setup(variant: str, d_model: int, n_layer: int, batch: int, inner: 
     decoded = {"-dec": True, "-packed": False}.get(variant[variant.rfind("-"):]) if "-" in variant else None
     variant = variant.removesuffix("-dec").removesuffix("-packed")
     mode = "reduce-overhead" if graphs else None
-    model, cfg = build(d_model, n_layer, variant)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    if graphs and device != "cuda":
+        raise ValueError(f"variant {variant}-cg records CUDA graphs; it needs device='cuda', got {device!r}")
+    model, cfg = build(d_model, n_layer, variant, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     backend = fp4compile.Backend(mode=mode, decoded_operands=decoded, inner=inner) if variant == "nvfp4" else None
     compiled = torch.compile(model, backend=backend or "inductor", mode=None if backend else mode)
-    x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), device="cuda")
+    x = torch.randint(0, cfg.vocab, (batch, cfg.seq_len), device=device)
     return dict(compiled=compiled, opt=opt, x=x, graphs=graphs, backend=backend, cfg=cfg)
 
 
@@ -165,10 +169,12 @@ def run_variant(variant: str, d_model: int, n_layer: int, steps: int, batch: int
     return out
 
 
-def cold_start(script: str, argv: list, triton_cache: Optional[str] = None) -> dict:
+def cold_start(script: str, argv: list, triton_cache: Optional[str] = None, env: Optional[dict] = None) -> dict:
     """Run ``script`` with ``argv`` in a new process with a fresh Inductor cache and a fresh Triton cache
-    (or the given one): the JSON of its last output line, or {"error": the end of its stderr}."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(), TRITON_CACHE_DIR=triton_cache or tempfile.mkdtemp())
+    (or the given one), ``env`` added to this process's environment: the JSON of its last output line,
+    or {"error": the end of its stderr}."""
+    env = dict(os.environ, **(env or {}), TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(),
+               TRITON_CACHE_DIR=triton_cache or tempfile.mkdtemp())
     proc = subprocess.run([sys.executable, script, *argv], env=env, capture_output=True, text=True)
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)

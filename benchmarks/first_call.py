@@ -11,13 +11,24 @@ nothing else, compiled beforehand by the same model under ``Backend(inner="eager
 Inductor kernel): the difference to the cold run is what compiling fp4compile's kernels costs the
 first call.
 
+``--env SETTING ...`` runs each nvfp4 variant once per setting, ``NAME=VALUE[,NAME=VALUE...]`` added to
+its environment (``-``: nothing added), for an A/B of fp4compile's switches on one machine in one run
+(``FP4COMPILE_PRECOMPILE``: where its kernels compile; ``FP4COMPILE_COMPILE_GC_THRESHOLD``: the garbage
+collector while compiling). ``--repeat N`` runs the whole sequence N times, interleaved, and prints each
+row's median. Each row also gives the time the first step spent in garbage collection.
+
     python benchmarks/first_call.py --variants bf16 nvfp4-cg --d-model 1024 --prewarm --out first_call.json
+    python benchmarks/first_call.py --variants bf16 nvfp4-cg --env FP4COMPILE_PRECOMPILE=threads \
+        FP4COMPILE_PRECOMPILE=processes --repeat 2
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
+import statistics
 import sys
 import tempfile
 import time
@@ -43,41 +54,125 @@ METRICS = (
 )
 
 
-def first_step(variant: str, d_model: int, n_layer: int, batch: int) -> dict:
+class GCTimer:
+    """A ``gc.callbacks`` entry adding up the time spent in garbage collections (all threads')."""
+
+    def __init__(self):
+        self.seconds, self.passes, self._start = 0.0, 0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.passes += 1
+            self._start = None
+
+
+def first_step(variant: str, d_model: int, n_layer: int, batch: int, device: str = "cuda") -> dict:
     """Phases of the first training step of ``variant`` in this process ("prewarm": nvfp4 compiled with
     ``inner="eager"``, which builds only fp4compile's kernels)."""
     if variant == "prewarm":
-        s = bench_e2e.training_setup("nvfp4", d_model, n_layer, batch, inner="eager")
+        s = bench_e2e.training_setup("nvfp4", d_model, n_layer, batch, inner="eager", device=device)
     else:
-        s = bench_e2e.training_setup(variant, d_model, n_layer, batch)
+        s = bench_e2e.training_setup(variant, d_model, n_layer, batch, device=device)
     compiled, opt, x, graphs = s["compiled"], s["opt"], s["x"], s["graphs"]
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    collector = GCTimer()
+    gc.callbacks.append(collector)
     t0 = time.perf_counter()
     if graphs:
         torch.compiler.cudagraph_mark_step_begin()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         _, loss = compiled(x, x)
-    torch.cuda.synchronize()
+    sync()
     t1 = time.perf_counter()
     loss.backward()
-    torch.cuda.synchronize()
+    sync()
     t2 = time.perf_counter()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    sync()
     t3 = time.perf_counter()
+    gc.callbacks.remove(collector)
     metrics = torch._dynamo.utils.compilation_time_metrics
     return {
-        "variant": variant, "d_model": d_model, "first_step_s": t3 - t0, "forward_call_s": t1 - t0,
-        "backward_s": t2 - t1, "optimizer_s": t3 - t2,
+        "variant": variant, "device": device, "d_model": d_model, "first_step_s": t3 - t0, "forward_call_s": t1 - t0,
+        "backward_s": t2 - t1, "optimizer_s": t3 - t2, "gc_s": collector.seconds, "gc_passes": collector.passes,
         "compile_metrics_s": {k: round(sum(metrics.get(k, [])), 3) for k in METRICS},
     }
 
 
-def run(variant: str, args, triton_cache: str | None = None) -> dict:
-    row = bench_e2e.cold_start(__file__, ["--variant", variant, "--d-model", str(args.d_model),
-                                          "--n-layer", str(args.n_layer), "--batch", str(args.batch)], triton_cache)
-    return dict(row, variant=variant) if "error" in row else row
+def parse_setting(text: str) -> dict:
+    """``NAME=VALUE[,NAME=VALUE...]`` (or ``-``, nothing) as a dict of environment variables."""
+    if text == "-":
+        return {}
+    env = {}
+    for item in text.split(","):
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip():
+            raise ValueError(f"--env: expected NAME=VALUE[,NAME=VALUE...] or -, got {text!r}")
+        env[name.strip()] = value
+    return env
+
+
+def run(variant: str, args, triton_cache: str | None = None, setting: str | None = None) -> dict:
+    env = parse_setting(setting) if setting else None
+    row = bench_e2e.cold_start(__file__, ["--variant", variant, "--d-model", str(args.d_model), "--n-layer",
+                                          str(args.n_layer), "--batch", str(args.batch), "--device", args.device],
+                               triton_cache, env)
+    row = dict(row, variant=variant) if "error" in row else row
+    if setting:
+        row["env"] = setting
+    return row
+
+
+def label(row: dict) -> str:
+    """The row's name in the table: the variant, and the environment setting where one was given."""
+    return row["variant"] + (f" [{row['env']}]" if row.get("env") else "")
+
+
+def sequence(args) -> list:
+    """Every row of one pass over the variants (cold starts, in order)."""
+    rows = []
+    for variant in args.variants:
+        nvfp4 = variant.startswith("nvfp4")
+        for setting in (args.env or [None]) if nvfp4 else [None]:
+            rows.append(run(variant, args, setting=setting))
+            print(f"done {label(rows[-1])}", file=sys.stderr, flush=True)
+            if args.prewarm and nvfp4:
+                cache = tempfile.mkdtemp()
+                warm = run("prewarm", args, cache, setting)
+                kernels = sum(1 for _ in Path(cache).rglob("*.cubin"))
+                row = run(variant, args, cache, setting)
+                row.update(variant=f"{variant}, fp4compile kernels cached", prewarm_s=warm.get("first_step_s"),
+                           cached_kernels=kernels)
+                rows.append(row)
+                print(f"done {label(row)} with {kernels} kernels cached", file=sys.stderr, flush=True)
+    return rows
+
+
+def medians(rows: list) -> list:
+    """One row per label, in first-seen order: its figures the median over the repeats (errors dropped)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(label(r), []).append(r)
+    out = []
+    for name, group in groups.items():
+        ok = [r for r in group if "error" not in r]
+        if not ok:
+            out.append({"label": name, "error": group[-1]["error"]})
+            continue
+        med = lambda get: statistics.median(get(r) for r in ok)  # noqa: E731
+        out.append({
+            "label": name, "starts": len(ok), "first_step_s": med(lambda r: r["first_step_s"]),
+            "all_first_step_s": [round(r["first_step_s"], 2) for r in ok],
+            "forward_call_s": med(lambda r: r["forward_call_s"]), "backward_s": med(lambda r: r["backward_s"]),
+            "gc_s": med(lambda r: r["gc_s"]),
+            "compile_metrics_s": {k: med(lambda r: r["compile_metrics_s"][k]) for k in METRICS},
+        })
+    return out
 
 
 def main():
@@ -87,38 +182,46 @@ def main():
     p.add_argument("--d-model", type=int, default=1024)
     p.add_argument("--n-layer", type=int, default=12)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: the compile on a machine without a GPU (no -cg variants, no --prewarm)")
     p.add_argument("--prewarm", action="store_true", help="also run nvfp4 variants with fp4compile's kernels cached")
+    p.add_argument("--env", nargs="+", metavar="SETTING",
+                   help="run each nvfp4 variant once per NAME=VALUE[,NAME=VALUE...] setting (- for none)")
+    p.add_argument("--repeat", type=int, default=1, help="run the whole sequence N times (medians printed)")
     p.add_argument("--out", default="first_call.json")
     args = p.parse_args()
     if args.variant:
-        print(json.dumps(first_step(args.variant, args.d_model, args.n_layer, args.batch)))
+        print(json.dumps(first_step(args.variant, args.d_model, args.n_layer, args.batch, args.device)))
         return
+    if args.repeat < 1:
+        p.error("--repeat must be 1 or more")
+    if args.device == "cpu" and (args.prewarm or any(v.endswith("-cg") for v in args.variants)):
+        p.error("--device cpu: CUDA-graph (-cg) variants and --prewarm (Triton kernels) need a GPU")
+    for setting in args.env or []:
+        try:
+            parse_setting(setting)
+        except ValueError as e:
+            p.error(str(e))
     rows = []
-    for variant in args.variants:
-        rows.append(run(variant, args))
-        print(f"done {variant}", file=sys.stderr, flush=True)
-        if args.prewarm and variant.startswith("nvfp4"):
-            cache = tempfile.mkdtemp()
-            warm = run("prewarm", args, cache)
-            kernels = sum(1 for _ in Path(cache).rglob("*.cubin"))
-            row = run(variant, args, cache)
-            row.update(variant=f"{variant}, fp4compile kernels cached", prewarm_s=warm.get("first_step_s"),
-                       cached_kernels=kernels)
-            rows.append(row)
-            print(f"done {variant} with {kernels} kernels cached", file=sys.stderr, flush=True)
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    for _ in range(args.repeat):
+        rows += sequence(args)
+    table = medians(rows)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {os.cpu_count()} cores"
+    result = {"device": device, "torch": torch.__version__, "d_model": args.d_model, "n_layer": args.n_layer,
+              "batch": args.batch, "repeat": args.repeat, "rows": rows, "medians": table}
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{result['gpu']}, torch {result['torch']}, d_model {args.d_model}")
-    print(f"{'variant':42} {'first s':>8} {'forward':>8} {'backward':>8} {'fw compile':>10} {'bw compile':>10} "
-          f"{'lowering':>9}")
-    for r in rows:
+    print(f"{result['device']}, torch {result['torch']}, d_model {args.d_model}"
+          + (f", median of {args.repeat} starts" if args.repeat > 1 else ""))
+    print(f"{'variant':52} {'first s':>8} {'forward':>8} {'backward':>8} {'fw compile':>10} {'bw compile':>10} "
+          f"{'lowering':>9} {'partition':>9} {'gc':>6}")
+    for r in table:
         if "error" in r:
-            print(f"{r['variant']:42} error")
+            print(f"{r['label']:52} error")
             continue
         m = r["compile_metrics_s"]
-        print(f"{r['variant']:42} {r['first_step_s']:8.1f} {r['forward_call_s']:8.1f} {r['backward_s']:8.1f} "
+        print(f"{r['label']:52} {r['first_step_s']:8.1f} {r['forward_call_s']:8.1f} {r['backward_s']:8.1f} "
               f"{m['compile_fx.<locals>.fw_compiler_base']:10.2f} {m['compile_fx.<locals>.bw_compiler']:10.2f} "
-              f"{m['GraphLowering.run']:9.2f}")
+              f"{m['GraphLowering.run']:9.2f} {m['min_cut_rematerialization_partition']:9.2f} {r['gc_s']:6.2f}")
 
 
 if __name__ == "__main__":

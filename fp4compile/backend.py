@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from fp4compile import grad_buffers, runtime
+from fp4compile import compile_gc, grad_buffers, runtime
 from fp4compile.passes import pipeline
 from fp4compile.passes.find_gemm_sites import (
     LINEAR_TARGETS, MATMUL_TARGETS, _source_name, module_path, parameter_name,
@@ -230,8 +230,9 @@ def _compile_inductor(gm, example_inputs, aot_passes, config_patches):
 
     def inner_compile(graph, inputs, **kwargs):
         stage = "backward" if kwargs.get("is_backward") else "forward"
-        graph = aot_passes(graph, stage)
-        return compile_fx_inner(graph, inputs, **kwargs)
+        with compile_gc.relaxed():  # the backward compiles at the first backward, outside Backend._compile
+            graph = aot_passes(graph, stage)
+            return compile_fx_inner(graph, inputs, **kwargs)
 
     return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
 
@@ -242,7 +243,8 @@ def _compile_eager(gm, example_inputs, aot_passes):
 
     def compiler(stage):
         def compile_graph(graph, inputs):
-            return make_boxed_func(aot_passes(graph, stage).forward)
+            with compile_gc.relaxed():
+                return make_boxed_func(aot_passes(graph, stage).forward)
 
         return compile_graph
 
@@ -289,7 +291,7 @@ class _SwitchableGraph:
                 names = self.scope.model_site_names()
             if high_precision:
                 log.info("fp4compile: graph %d: recompiling in high precision", graph_id)
-            with torch._guards.tracing(self.tracing_context):
+            with torch._guards.tracing(self.tracing_context), compile_gc.relaxed():
                 self.compiled[key] = self.backend._compile(gm, self.example_inputs, graph_id, high_precision, names)
         return self.compiled[key]
 

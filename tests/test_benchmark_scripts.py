@@ -1,0 +1,126 @@
+"""The first-call benchmark's orchestration, with its cold-start processes replaced by a fake (CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def first_call():
+    spec = importlib.util.spec_from_file_location("first_call_under_test", BENCHMARKS / "first_call.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_starts(module, monkeypatch, seconds):
+    """Replace the cold start: record each call, return a row whose first step is the next of
+    ``seconds`` (None: the start fails)."""
+    calls, figures = [], iter(seconds)
+
+    def cold_start(script, argv, triton_cache=None, env=None):
+        calls.append({"variant": argv[argv.index("--variant") + 1], "device": argv[argv.index("--device") + 1],
+                      "cache": triton_cache, "env": env})
+        first = next(figures)
+        if first is None:
+            return {"error": "Traceback: out of memory"}
+        if triton_cache is not None and calls[-1]["variant"] == "prewarm":
+            (Path(triton_cache) / "k.cubin").write_bytes(b"")
+        return {"variant": calls[-1]["variant"], "first_step_s": first, "forward_call_s": first / 2,
+                "backward_s": first / 2, "optimizer_s": 0.0, "gc_s": 0.1,
+                "compile_metrics_s": {k: first / 10 for k in module.METRICS}}
+
+    monkeypatch.setattr(module.bench_e2e, "cold_start", cold_start)
+    return calls
+
+
+def test_parse_setting(first_call):
+    assert first_call.parse_setting("-") == {}
+    assert first_call.parse_setting("A=1,B=x=y") == {"A": "1", "B": "x=y"}
+    assert first_call.parse_setting("FP4COMPILE_PRECOMPILE=") == {"FP4COMPILE_PRECOMPILE": ""}
+    for bad in ("A", "=1", "A=1,,B=2"):
+        with pytest.raises(ValueError, match="NAME=VALUE"):
+            first_call.parse_setting(bad)
+
+
+def test_each_nvfp4_variant_runs_once_per_setting_and_bf16_once(first_call, monkeypatch, tmp_path):
+    calls = _fake_starts(first_call, monkeypatch, [20.0, 40.0, 15.0, 35.0, 38.0, 14.0, 33.0])
+    caches = iter([str(tmp_path / "a"), str(tmp_path / "b")])
+
+    def mkdtemp():
+        path = next(caches)
+        Path(path).mkdir()
+        return path
+
+    monkeypatch.setattr(first_call.tempfile, "mkdtemp", mkdtemp)
+    args = first_call.argparse.Namespace(variants=["bf16", "nvfp4-cg"], env=["-", "FP4COMPILE_PRECOMPILE=processes"],
+                                         prewarm=True, d_model=1024, n_layer=12, batch=16, device="cuda")
+    rows = first_call.sequence(args)
+    processes = {"FP4COMPILE_PRECOMPILE": "processes"}
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert [(c["variant"], c["env"], c["cache"]) for c in calls] == [
+        ("bf16", None, None),
+        ("nvfp4-cg", {}, None), ("prewarm", {}, a), ("nvfp4-cg", {}, a),
+        ("nvfp4-cg", processes, None), ("prewarm", processes, b), ("nvfp4-cg", processes, b),
+    ]
+    assert [first_call.label(r) for r in rows] == [
+        "bf16", "nvfp4-cg [-]", "nvfp4-cg, fp4compile kernels cached [-]",
+        "nvfp4-cg [FP4COMPILE_PRECOMPILE=processes]",
+        "nvfp4-cg, fp4compile kernels cached [FP4COMPILE_PRECOMPILE=processes]",
+    ]
+    assert [r["first_step_s"] for r in rows] == [20.0, 40.0, 35.0, 38.0, 33.0]
+    assert rows[2]["prewarm_s"] == 15.0 and rows[2]["cached_kernels"] == 1
+    assert {c["device"] for c in calls} == {"cuda"}
+
+
+def test_medians_over_repeats_drop_failed_starts(first_call):
+    def row(variant, first, env=None):
+        r = {"variant": variant, "first_step_s": first, "forward_call_s": first - 1, "backward_s": 1.0,
+             "gc_s": first / 100, "compile_metrics_s": {k: first / 10 for k in first_call.METRICS}}
+        return dict(r, env=env) if env else r
+
+    rows = [row("bf16", 20.0), row("nvfp4-cg", 40.0, "A=1"), row("nvfp4-cg", 44.0),
+            row("bf16", 24.0), {"variant": "nvfp4-cg", "env": "A=1", "error": "boom"}, row("nvfp4-cg", 42.0),
+            row("bf16", 22.0), {"variant": "nvfp4", "error": "out of memory"}]
+    table = first_call.medians(rows)
+    assert [t["label"] for t in table] == ["bf16", "nvfp4-cg [A=1]", "nvfp4-cg", "nvfp4"]
+    bf16, one, plain, failed = table
+    assert bf16["first_step_s"] == 22.0 and bf16["all_first_step_s"] == [20.0, 24.0, 22.0] and bf16["starts"] == 3
+    assert bf16["compile_metrics_s"]["GraphLowering.run"] == pytest.approx(2.2)
+    assert one["starts"] == 1 and one["first_step_s"] == 40.0
+    assert plain["first_step_s"] == 43.0 and plain["gc_s"] == pytest.approx(0.43)
+    assert failed == {"label": "nvfp4", "error": "out of memory"}
+
+
+def test_main_writes_rows_and_medians(first_call, monkeypatch, tmp_path, capsys):
+    _fake_starts(first_call, monkeypatch, [20.0, 40.0, 22.0, 44.0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "a GPU")
+    out = tmp_path / "fc.json"
+    monkeypatch.setattr(sys, "argv", ["first_call.py", "--variants", "bf16", "nvfp4-cg", "--repeat", "2", "--out", str(out)])
+    first_call.main()
+    result = json.loads(out.read_text())
+    assert result["device"] == "a GPU" and result["repeat"] == 2 and len(result["rows"]) == 4
+    assert [(m["label"], m["first_step_s"]) for m in result["medians"]] == [("bf16", 21.0), ("nvfp4-cg", 42.0)]
+    printed = capsys.readouterr().out
+    assert "median of 2 starts" in printed and "nvfp4-cg" in printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--env", "NOEQUALS"], "NAME=VALUE"),
+    (["--repeat", "0"], "1 or more"),
+    (["--device", "cpu", "--variants", "bf16", "nvfp4-cg"], "need a GPU"),
+    (["--device", "cpu", "--variants", "nvfp4", "--prewarm"], "need a GPU"),
+])
+def test_main_rejects_bad_arguments(first_call, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(sys, "argv", ["first_call.py", *argv])
+    with pytest.raises(SystemExit):
+        first_call.main()
+    assert message in capsys.readouterr().err
