@@ -15,7 +15,9 @@ first call.
 its environment (``-``: nothing added), for an A/B of fp4compile's switches on one machine in one run
 (``FP4COMPILE_PRECOMPILE``: where its kernels compile; ``FP4COMPILE_COMPILE_GC_THRESHOLD``: the garbage
 collector while compiling). ``--repeat N`` runs the whole sequence N times, interleaved, and prints each
-row's median. Each row also gives the time the first step spent in garbage collection.
+row's median. Each row also gives the time the first step spent in garbage collection. ``--warm`` starts
+each variant a second time on the Inductor and Triton caches its cold start filled, as a restarted
+training job would.
 
     python benchmarks/first_call.py --variants bf16 nvfp4-cg --d-model 1024 --prewarm --out first_call.json
     python benchmarks/first_call.py --variants bf16 nvfp4-cg --env FP4COMPILE_PRECOMPILE=threads \
@@ -117,11 +119,12 @@ def parse_setting(text: str) -> dict:
     return env
 
 
-def run(variant: str, args, triton_cache: str | None = None, setting: str | None = None) -> dict:
+def run(variant: str, args, triton_cache: str | None = None, setting: str | None = None,
+        inductor_cache: str | None = None) -> dict:
     env = parse_setting(setting) if setting else None
     row = bench_e2e.cold_start(__file__, ["--variant", variant, "--d-model", str(args.d_model), "--n-layer",
                                           str(args.n_layer), "--batch", str(args.batch), "--device", args.device],
-                               triton_cache, env)
+                               triton_cache, env, inductor_cache)
     row = dict(row, variant=variant) if "error" in row else row
     if setting:
         row["env"] = setting
@@ -139,8 +142,14 @@ def sequence(args) -> list:
     for variant in args.variants:
         nvfp4 = variant.startswith("nvfp4")
         for setting in (args.env or [None]) if nvfp4 else [None]:
-            rows.append(run(variant, args, setting=setting))
+            caches = (tempfile.mkdtemp(), tempfile.mkdtemp()) if args.warm else (None, None)
+            rows.append(run(variant, args, caches[0], setting, caches[1]))
             print(f"done {label(rows[-1])}", file=sys.stderr, flush=True)
+            if args.warm:
+                row = run(variant, args, caches[0], setting, caches[1])
+                row["variant"] = f"{variant}, warm caches"
+                rows.append(row)
+                print(f"done {label(row)}", file=sys.stderr, flush=True)
             if args.prewarm and nvfp4:
                 cache = tempfile.mkdtemp()
                 warm = run("prewarm", args, cache, setting)
@@ -187,6 +196,8 @@ def main():
     p.add_argument("--prewarm", action="store_true", help="also run nvfp4 variants with fp4compile's kernels cached")
     p.add_argument("--env", nargs="+", metavar="SETTING",
                    help="run each nvfp4 variant once per NAME=VALUE[,NAME=VALUE...] setting (- for none)")
+    p.add_argument("--warm", action="store_true",
+                   help="also start each variant again on the Inductor and Triton caches its cold start filled")
     p.add_argument("--repeat", type=int, default=1, help="run the whole sequence N times (medians printed)")
     p.add_argument("--out", default="first_call.json")
     args = p.parse_args()

@@ -26,9 +26,9 @@ def _fake_starts(module, monkeypatch, seconds):
     ``seconds`` (None: the start fails)."""
     calls, figures = [], iter(seconds)
 
-    def cold_start(script, argv, triton_cache=None, env=None):
+    def cold_start(script, argv, triton_cache=None, env=None, inductor_cache=None):
         calls.append({"variant": argv[argv.index("--variant") + 1], "device": argv[argv.index("--device") + 1],
-                      "cache": triton_cache, "env": env})
+                      "cache": triton_cache, "env": env, "inductor_cache": inductor_cache})
         first = next(figures)
         if first is None:
             return {"error": "Traceback: out of memory"}
@@ -62,7 +62,8 @@ def test_each_nvfp4_variant_runs_once_per_setting_and_bf16_once(first_call, monk
 
     monkeypatch.setattr(first_call.tempfile, "mkdtemp", mkdtemp)
     args = first_call.argparse.Namespace(variants=["bf16", "nvfp4-cg"], env=["-", "FP4COMPILE_PRECOMPILE=processes"],
-                                         prewarm=True, d_model=1024, n_layer=12, batch=16, device="cuda")
+                                         prewarm=True, d_model=1024, n_layer=12, batch=16, device="cuda",
+                                         warm=False)
     rows = first_call.sequence(args)
     processes = {"FP4COMPILE_PRECOMPILE": "processes"}
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
@@ -79,6 +80,27 @@ def test_each_nvfp4_variant_runs_once_per_setting_and_bf16_once(first_call, monk
     assert [r["first_step_s"] for r in rows] == [20.0, 40.0, 35.0, 38.0, 33.0]
     assert rows[2]["prewarm_s"] == 15.0 and rows[2]["cached_kernels"] == 1
     assert {c["device"] for c in calls} == {"cuda"}
+
+
+def test_warm_starts_reuse_the_cold_starts_caches(first_call, monkeypatch, tmp_path):
+    calls = _fake_starts(first_call, monkeypatch, [30.0, 3.0, 40.0, 8.0])
+    made = iter(range(100))
+
+    def mkdtemp():
+        path = tmp_path / str(next(made))
+        path.mkdir()
+        return str(path)
+
+    monkeypatch.setattr(first_call.tempfile, "mkdtemp", mkdtemp)
+    args = first_call.argparse.Namespace(variants=["bf16", "nvfp4"], env=None, prewarm=False, d_model=256,
+                                         n_layer=12, batch=1, device="cpu", warm=True)
+    rows = first_call.sequence(args)
+    assert [first_call.label(r) for r in rows] == ["bf16", "bf16, warm caches", "nvfp4", "nvfp4, warm caches"]
+    assert [r["first_step_s"] for r in rows] == [30.0, 3.0, 40.0, 8.0]
+    caches = [(c["cache"], c["inductor_cache"]) for c in calls]
+    assert caches[0] == caches[1] and caches[2] == caches[3] and caches[0] != caches[2]
+    assert all(c is not None for pair in caches for c in pair)
+    assert {c["device"] for c in calls} == {"cpu"}
 
 
 def test_medians_over_repeats_drop_failed_starts(first_call):
