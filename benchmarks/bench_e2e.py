@@ -174,8 +174,8 @@ def cold_start(script: str, argv: list, triton_cache: Optional[str] = None, env:
     """Run ``script`` with ``argv`` in a new process with a fresh Inductor cache and a fresh Triton cache
     (or the given ones), ``env`` added to this process's environment: the JSON of its last output line,
     or {"error": the end of its stderr}."""
-    env = dict(os.environ, **(env or {}), TORCHINDUCTOR_CACHE_DIR=inductor_cache or tempfile.mkdtemp(),
-               TRITON_CACHE_DIR=triton_cache or tempfile.mkdtemp())
+    env = {**os.environ, **(env or {}), "TORCHINDUCTOR_CACHE_DIR": inductor_cache or tempfile.mkdtemp(),
+           "TRITON_CACHE_DIR": triton_cache or tempfile.mkdtemp()}
     proc = subprocess.run([sys.executable, script, *argv], env=env, capture_output=True, text=True)
     if proc.returncode:
         print(proc.stderr[-3000:], file=sys.stderr)

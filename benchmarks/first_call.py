@@ -15,7 +15,8 @@ first call.
 its environment (``-``: nothing added), for an A/B of fp4compile's switches on one machine in one run
 (``FP4COMPILE_PRECOMPILE``: where its kernels compile; ``FP4COMPILE_COMPILE_GC_THRESHOLD``: the garbage
 collector while compiling). ``--repeat N`` runs the whole sequence N times, interleaved, and prints each
-row's median. Each row also gives the time the first step spent in garbage collection. ``--warm`` starts
+row's median. Each row also gives the time the first step spent in garbage collection, the training
+process's own CPU time for it (user + system; not its compile workers') and its peak resident memory. ``--warm`` starts
 each variant a second time on the Inductor and Triton caches its cold start filled, as a restarted
 training job would.
 
@@ -30,6 +31,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -83,6 +85,8 @@ def first_step(variant: str, d_model: int, n_layer: int, batch: int, device: str
     sync()
     collector = GCTimer()
     gc.callbacks.append(collector)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = usage.ru_utime + usage.ru_stime
     t0 = time.perf_counter()
     if graphs:
         torch.compiler.cudagraph_mark_step_begin()
@@ -98,10 +102,12 @@ def first_step(variant: str, d_model: int, n_layer: int, batch: int, device: str
     sync()
     t3 = time.perf_counter()
     gc.callbacks.remove(collector)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     metrics = torch._dynamo.utils.compilation_time_metrics
     return {
         "variant": variant, "device": device, "d_model": d_model, "first_step_s": t3 - t0, "forward_call_s": t1 - t0,
         "backward_s": t2 - t1, "optimizer_s": t3 - t2, "gc_s": collector.seconds, "gc_passes": collector.passes,
+        "process_cpu_s": usage.ru_utime + usage.ru_stime - cpu0, "peak_rss_mib": usage.ru_maxrss / 1024,
         "compile_metrics_s": {k: round(sum(metrics.get(k, [])), 3) for k in METRICS},
     }
 
@@ -179,6 +185,8 @@ def medians(rows: list) -> list:
             "all_first_step_s": [round(r["first_step_s"], 2) for r in ok],
             "forward_call_s": med(lambda r: r["forward_call_s"]), "backward_s": med(lambda r: r["backward_s"]),
             "gc_s": med(lambda r: r["gc_s"]),
+            "process_cpu_s": med(lambda r: r.get("process_cpu_s", float("nan"))),
+            "peak_rss_mib": med(lambda r: r.get("peak_rss_mib", float("nan"))),
             "compile_metrics_s": {k: med(lambda r: r["compile_metrics_s"][k]) for k in METRICS},
         })
     return out
@@ -210,9 +218,13 @@ def main():
         p.error("--device cpu: CUDA-graph (-cg) variants and --prewarm (Triton kernels) need a GPU")
     for setting in args.env or []:
         try:
-            parse_setting(setting)
+            names = parse_setting(setting)
         except ValueError as e:
             p.error(str(e))
+        if {"TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"} & set(names):
+            p.error("--env: the cache directories are the benchmark's own (fresh per start, or --warm)")
+    if args.env and not any(v.startswith("nvfp4") for v in args.variants):
+        p.error("--env applies to nvfp4 variants; none is selected")
     rows = []
     for _ in range(args.repeat):
         rows += sequence(args)
@@ -224,7 +236,7 @@ def main():
     print(f"{result['device']}, torch {result['torch']}, d_model {args.d_model}"
           + (f", median of {args.repeat} starts" if args.repeat > 1 else ""))
     print(f"{'variant':52} {'first s':>8} {'forward':>8} {'backward':>8} {'fw compile':>10} {'bw compile':>10} "
-          f"{'lowering':>9} {'partition':>9} {'gc':>6}")
+          f"{'lowering':>9} {'partition':>9} {'gc':>6} {'cpu s':>7} {'rss MiB':>8}")
     for r in table:
         if "error" in r:
             print(f"{r['label']:52} error")
@@ -232,7 +244,8 @@ def main():
         m = r["compile_metrics_s"]
         print(f"{r['label']:52} {r['first_step_s']:8.1f} {r['forward_call_s']:8.1f} {r['backward_s']:8.1f} "
               f"{m['compile_fx.<locals>.fw_compiler_base']:10.2f} {m['compile_fx.<locals>.bw_compiler']:10.2f} "
-              f"{m['GraphLowering.run']:9.2f} {m['min_cut_rematerialization_partition']:9.2f} {r['gc_s']:6.2f}")
+              f"{m['GraphLowering.run']:9.2f} {m['min_cut_rematerialization_partition']:9.2f} {r['gc_s']:6.2f} "
+              f"{r['process_cpu_s']:7.1f} {r['peak_rss_mib']:8.0f}")
 
 
 if __name__ == "__main__":

@@ -140,6 +140,8 @@ def test_main_writes_rows_and_medians(first_call, monkeypatch, tmp_path, capsys)
     (["--repeat", "0"], "1 or more"),
     (["--device", "cpu", "--variants", "bf16", "nvfp4-cg"], "need a GPU"),
     (["--device", "cpu", "--variants", "nvfp4", "--prewarm"], "need a GPU"),
+    (["--env", "TRITON_CACHE_DIR=elsewhere"], "cache directories"),
+    (["--variants", "bf16", "--env", "FP4COMPILE_PRECOMPILE=processes"], "none is selected"),
 ])
 def test_main_rejects_bad_arguments(first_call, monkeypatch, capsys, argv, message):
     monkeypatch.setattr(sys, "argv", ["first_call.py", *argv])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import logging
+import os
 import threading
 import weakref
 
@@ -55,6 +57,37 @@ def test_older_objects_are_frozen_during_the_compile_and_collected_after():
     assert gone() is None
 
 
+def test_young_garbage_is_collected_before_the_freeze():
+    """Unreachable young objects are not frozen (and so not promoted to the oldest generation)."""
+    cycle = _Cycle()
+    gone = weakref.ref(cycle)
+    del cycle
+    with compile_gc.relaxed():
+        assert gone() is None
+
+
+def test_a_freeze_during_the_compile_is_not_undone(caplog):
+    with caplog.at_level(logging.WARNING, logger="fp4compile"):
+        with compile_gc.relaxed():
+            theirs = _Cycle()  # made during the compile, frozen by the process's own freeze
+            gc.freeze()
+    assert gc.get_freeze_count() > 0 and not any(o is theirs for o in gc.get_objects())  # still frozen
+    assert "frozen (gc.freeze) during a compilation" in caplog.text
+    assert gc.get_threshold() == (700, 10, 10)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_process_forked_during_a_compile_starts_with_the_collector_as_before():
+    with compile_gc.relaxed():
+        pid = os.fork()
+        if pid == 0:  # the child: no compilation runs here
+            ok = gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0 and compile_gc._state["depth"] == 0
+            os._exit(0 if ok else 1)
+        assert gc.get_threshold()[0] == compile_gc.DEFAULT_THRESHOLD  # the parent's compile goes on
+        _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_objects_frozen_by_the_process_stay_frozen():
     cycle = _Cycle()
     gone = weakref.ref(cycle)
@@ -74,17 +107,29 @@ def test_nested_and_concurrent_compiles_share_one_relaxation():
         with compile_gc.relaxed():
             assert gc.get_threshold()[0] == compile_gc.DEFAULT_THRESHOLD
         assert gc.get_threshold()[0] == compile_gc.DEFAULT_THRESHOLD  # the inner exit restores nothing
-        seen = []
-        other = threading.Thread(target=lambda: seen.append(_inside()))
-        other.start()
-        other.join()
-        assert seen == [compile_gc.DEFAULT_THRESHOLD] and gc.get_threshold()[0] == compile_gc.DEFAULT_THRESHOLD
     assert gc.get_threshold() == (700, 10, 10)
 
+    # Two threads: A enters, B enters, A leaves (still relaxed for B), B leaves (restored).
+    b_inside, a_left, b_done = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
 
-def _inside() -> int:
+    def b():
+        with compile_gc.relaxed():
+            b_inside.set()
+            a_left.wait(10)
+            seen["b after a left"] = gc.get_threshold()[0]
+        b_done.set()
+
     with compile_gc.relaxed():
-        return gc.get_threshold()[0]
+        other = threading.Thread(target=b)
+        other.start()
+        assert b_inside.wait(10)
+    a_left.set()
+    assert b_done.wait(10)
+    other.join()
+    assert seen == {"b after a left": compile_gc.DEFAULT_THRESHOLD}
+    assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0
+    assert compile_gc._state["depth"] == 0
 
 
 def test_restores_after_an_exception():
@@ -117,10 +162,18 @@ def test_environment_sets_the_threshold_and_rejects_bad_values(monkeypatch):
     monkeypatch.setenv(compile_gc.ENV, "20000")
     with compile_gc.relaxed():
         assert gc.get_threshold()[0] == 20_000
-    for bad, message in (("lots", "whole number"), ("-5", "0 or more")):
+    for bad, message in (("lots", "whole number"), ("-5", "between 0 and"), (str(2**40), "between 0 and")):
         monkeypatch.setenv(compile_gc.ENV, bad)
         with pytest.raises(ValueError, match=f"{compile_gc.ENV}.*{message}"):
             compile_gc.threshold()
+        with pytest.raises(ValueError, match=compile_gc.ENV):
+            with compile_gc.relaxed():
+                pass
+    assert compile_gc._state["depth"] == 0  # the failed entries left no state behind
+    monkeypatch.setenv(compile_gc.ENV, "20000")
+    with compile_gc.relaxed():
+        assert gc.get_threshold()[0] == 20_000
+    assert gc.get_threshold() == (700, 10, 10)
 
 
 def test_a_threshold_changed_during_the_compile_is_kept():
@@ -130,7 +183,8 @@ def test_a_threshold_changed_during_the_compile_is_kept():
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_forward_and_backward_compile_under_the_raised_threshold(monkeypatch):
+@pytest.mark.parametrize("inner", ["inductor", "eager"])
+def test_forward_and_backward_compile_under_the_raised_threshold(monkeypatch, inner):
     """The threshold each aot-level pass run sees (forward at the first call, backward at the first
     backward, both outside any other relaxation) and the one the training step leaves behind."""
     seen = []
@@ -144,7 +198,7 @@ def test_forward_and_backward_compile_under_the_raised_threshold(monkeypatch):
     torch.manual_seed(0)
     model = TinyGPT()
     idx = torch.randint(0, 64, (2, 32))
-    compiled = torch.compile(model, backend=Backend())
+    compiled = torch.compile(model, backend=Backend(inner=inner))
     loss = lm_loss(compiled(idx), idx)
     assert seen == [compile_gc.DEFAULT_THRESHOLD]
     assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0
