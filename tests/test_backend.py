@@ -473,8 +473,6 @@ def test_a_warm_inductor_cache_never_serves_graphs_compiled_for_another_recipe(m
     from torch._inductor import config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", True)
     idx = torch.randint(0, 64, (2, 32))
 
     def step(**recipe):
@@ -485,10 +483,12 @@ def test_a_warm_inductor_cache_never_serves_graphs_compiled_for_another_recipe(m
         backward = [gr.code for gr in backend.report.graphs if gr.stage == "backward" and gr.pass_name == "fuse_amax"]
         return backend, backward, dict(counters["aot_autograd"]), dict(counters["inductor"])
 
-    _, backward, aot, _ = step()
-    assert len(backward) == 1 and "fp4.rht_quantize" in backward[0]
-    _, backward, aot, inductor = step()  # the same recipe again: Inductor's cache serves it
-    assert inductor.get("fxgraph_cache_hit", 0) == 2 and not aot.get("autograd_cache_hit")
-    _, backward, aot, _ = step(rht=False)
-    assert not aot.get("autograd_cache_hit")
-    assert len(backward) == 1 and "fp4.rht_quantize" not in backward[0] and "fp4.quantize" in backward[0]
+    # Both caches on, through the config modules' own patch (monkeypatch's undo would delete the entries).
+    with inductor_config.patch(fx_graph_cache=True), torch._functorch.config.patch(enable_autograd_cache=True):
+        _, backward, aot, _ = step()
+        assert len(backward) == 1 and "fp4.rht_quantize" in backward[0]
+        _, backward, aot, inductor = step()  # the same recipe again: Inductor's cache serves it
+        assert inductor.get("fxgraph_cache_hit", 0) == 2 and not aot.get("autograd_cache_hit")
+        _, backward, aot, _ = step(rht=False)
+        assert not aot.get("autograd_cache_hit")
+        assert len(backward) == 1 and "fp4.rht_quantize" not in backward[0] and "fp4.quantize" in backward[0]
