@@ -58,6 +58,10 @@ METRICS = (
 )
 
 
+# A start's own figures, given as their median over the repeats.
+MEDIAN_FIGURES = ("first_step_s", "forward_call_s", "backward_s", "gc_s", "process_cpu_s", "peak_rss_mib")
+
+
 class GCTimer:
     """A ``gc.callbacks`` entry adding up the time spent in garbage collections (all threads')."""
 
@@ -179,16 +183,11 @@ def medians(rows: list) -> list:
         if not ok:
             out.append({"label": name, "error": group[-1]["error"]})
             continue
-        med = lambda get: statistics.median(get(r) for r in ok)  # noqa: E731
-        out.append({
-            "label": name, "starts": len(ok), "first_step_s": med(lambda r: r["first_step_s"]),
-            "all_first_step_s": [round(r["first_step_s"], 2) for r in ok],
-            "forward_call_s": med(lambda r: r["forward_call_s"]), "backward_s": med(lambda r: r["backward_s"]),
-            "gc_s": med(lambda r: r["gc_s"]),
-            "process_cpu_s": med(lambda r: r.get("process_cpu_s", float("nan"))),
-            "peak_rss_mib": med(lambda r: r.get("peak_rss_mib", float("nan"))),
-            "compile_metrics_s": {k: med(lambda r: r["compile_metrics_s"][k]) for k in METRICS},
-        })
+        row = {"label": name, "starts": len(ok), "all_first_step_s": [round(r["first_step_s"], 2) for r in ok]}
+        for key in MEDIAN_FIGURES:  # rows from before a figure was recorded lack it: NaN
+            row[key] = statistics.median(r.get(key, float("nan")) for r in ok)
+        row["compile_metrics_s"] = {k: statistics.median(r["compile_metrics_s"][k] for r in ok) for k in METRICS}
+        out.append(row)
     return out
 
 

@@ -196,7 +196,13 @@ def _active() -> bool:
 def prepare() -> None:
     """Start the worker processes now, so that they are ready when the first plan is made (the backend
     calls this when it first compiles a graph). Nothing happens unless they are the mode in use."""
-    if _active() and mode() == "processes":
+    if _active():
+        _start_workers()
+
+
+def _start_workers() -> None:
+    """The worker pool, where processes are the mode; if they cannot start, threads from then on."""
+    if mode() == "processes":
         try:
             _worker_pool()
         except OSError as err:
@@ -339,20 +345,25 @@ def _specializations(launches) -> list[tuple]:
     return list(seen.values())
 
 
-def job(kernel, data, target) -> tuple:
-    """A worker's job (``compile_worker``): the kernel (module and name), its specialization data, the
-    target, and what Triton's cache key depends on besides them, as this process has it now: the cache
-    directory, the ptxas for the target (path and version: the version is computed once per process and
-    enters the key) and the environment variables the key includes."""
+def toolchain(target) -> dict:
+    """What Triton's cache key depends on besides the kernel and its specialization, as this process has
+    it now: the cache directory, the ptxas for ``target`` (path and version: the version is computed once
+    per process and enters the key) and the environment variables the key includes."""
     from triton import knobs
     from triton._C.libtriton import get_cache_invalidating_env_vars
 
-    toolchain = {"cache_dir": knobs.cache.dir, "env": dict(get_cache_invalidating_env_vars())}
+    tools = {"cache_dir": knobs.cache.dir, "env": dict(get_cache_invalidating_env_vars())}
     if target.backend == "cuda":
         from triton.backends.nvidia import compiler as nvidia
 
-        toolchain["ptxas"] = (nvidia.get_ptxas(target.arch).path, nvidia.get_ptxas_version(target.arch))
-    return kernel.fn.__module__, kernel.fn.__name__, data, target, toolchain
+        tools["ptxas"] = (nvidia.get_ptxas(target.arch).path, nvidia.get_ptxas_version(target.arch))
+    return tools
+
+
+def job(kernel, data, target, tools: Optional[dict] = None) -> tuple:
+    """A worker's job (``compile_worker``): the kernel (module and name), its specialization data, the
+    target and ``toolchain(target)`` (given, where a plan has already asked for it)."""
+    return kernel.fn.__module__, kernel.fn.__name__, data, target, tools if tools is not None else toolchain(target)
 
 
 def _device(launch) -> Optional[torch.device]:
@@ -369,14 +380,15 @@ def start(gm: fx.GraphModule, what: str) -> list[concurrent.futures.Future]:
     the switch off."""
     if not _active():
         return []
-    prepare()
+    _start_workers()
     t0 = time.perf_counter()
     try:
         launches = plan(gm)
         if mode() == "processes":
             specs = _specializations(launches)
             pool = _worker_pool()
-            futures = [pool.submit(job(fn, data, target)) for fn, data, target in specs]
+            tools = {target: toolchain(target) for _, _, target in specs}  # one per target, not per job
+            futures = [pool.submit(job(fn, data, target, tools[target])) for fn, data, target in specs]
             kernels, where = len(specs), "worker processes"
         else:
             groups: dict = {}  # (kernel, device) -> its launches
