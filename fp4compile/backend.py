@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from fp4compile import compile_gc, grad_buffers, runtime
+from fp4compile import aot_cache, compile_gc, grad_buffers, runtime
 from fp4compile.passes import pipeline
 from fp4compile.passes.find_gemm_sites import (
     LINEAR_TARGETS, MATMUL_TARGETS, _source_name, module_path, parameter_name,
@@ -158,7 +158,13 @@ class Backend:
             return graph
 
         if self.inner == "inductor":
-            compiled = _compile_inductor(gm, example_inputs, aot_passes, config)
+            cache_key = None
+            cacheable, why_not = aot_cache.enabled(self.print_ir_after, example_inputs)
+            if cacheable:
+                cache_key = aot_cache.digest(ctx, example_inputs, ctx.grad_buffers)
+            else:
+                log.debug("fp4compile: graph %d: not put in AOTAutograd's cache: %s", graph_id, why_not)
+            compiled = _compile_inductor(gm, example_inputs, aot_passes, config, ctx, cache_key)
         else:
             compiled = _compile_eager(gm, example_inputs, aot_passes)
         return grad_buffers.wrap(compiled, buffer_plan) if buffer_plan is not None else compiled
@@ -225,16 +231,69 @@ def _all_high_precision(gm, ctx):
 _all_high_precision.pass_name = "switch_to_high_precision"
 
 
-def _compile_inductor(gm, example_inputs, aot_passes, config_patches):
+def _compile_inductor(gm, example_inputs, aot_passes, config_patches, ctx: CompileContext, cache_key=None):
+    """Inductor's compile of ``gm`` with fp4compile's passes run on the forward and backward graphs.
+
+    ``cache_key`` (``aot_cache.digest``): AOTAutograd's on-disk cache may keep and serve the result; on
+    a hit the passes do not run, what they logged is logged again from the entry's record and the
+    report's graphs are rebuilt when it is read. None: the graph stays out of that cache."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    record = original = None
+    if cache_key is not None:
+        record = aot_cache.Record(cache_key, gm.code)
+        original = clone_dynamo_module(gm)
+        config_patches = aot_cache.config_patches(cache_key, config_patches)
+    stages = []
 
     def inner_compile(graph, inputs, **kwargs):
         stage = "backward" if kwargs.get("is_backward") else "forward"
+        stages.append(stage)
         with compile_gc.relaxed():  # the backward compiles at the first backward, outside Backend._compile
+            logged = len(ctx.fallbacks)
             graph = aot_passes(graph, stage)
+            if record is not None:
+                record.save(stage, ctx.fallbacks[logged:])
             return compile_fx_inner(graph, inputs, **kwargs)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
+    compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
+    if record is not None and not stages:  # AOTAutograd's cache served both graphs: no pass ran
+        _served_from_cache(ctx, record, original, example_inputs, config_patches)
+    return compiled
+
+
+def _served_from_cache(ctx: CompileContext, record, original, example_inputs, config_patches) -> None:
+    """After an AOTAutograd cache hit: log what the passes logged when the entry was made, and let the
+    report rebuild the forward and backward graphs when read (at once where the record is missing)."""
+    tracing_context = torch._guards.TracingContext.try_get()
+
+    def rebuild():
+        from functorch.compile import make_boxed_func
+        from torch._inductor.compile_fx import compile_fx
+
+        def passes_only(graph, inputs, **kwargs):
+            stage = "backward" if kwargs.get("is_backward") else "forward"
+            graph = pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage)
+            return make_boxed_func(graph.forward)  # the cached graphs run; this is for the report only
+
+        cache_off = torch._functorch.config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True)
+        with torch._guards.tracing(tracing_context), cache_off, compile_gc.relaxed():
+            compile_fx(clone_dynamo_module(original), example_inputs, inner_compile=passes_only,
+                       config_patches=config_patches or None)
+
+    ctx.served_from_cache(rebuild)
+    logged = record.load()
+    log.info(
+        "fp4compile: graph %d: compiled graphs served from AOTAutograd's cache; fp4compile's passes did not "
+        "run (the report rebuilds their graphs when read)", ctx.graph_id,
+    )
+    if logged is None:
+        log.info("fp4compile: graph %d: no record of what its passes logged; running them again", ctx.graph_id)
+        ctx.restore(quiet=False)
+        return
+    for stage in ("forward", "backward"):
+        for message in logged.get(stage, []):
+            log.warning("fp4compile: %s", message)
 
 
 def _compile_eager(gm, example_inputs, aot_passes):

@@ -114,6 +114,11 @@ def sharded_amax(
         remove(rule)
 
 
+def cache_state() -> list:
+    """The declarations, as text a compile cache keys on: (pattern, tensors, group) per rule, in order."""
+    return [[rule.pattern, sorted(rule.tensors), rule.group] for rule in _rules]
+
+
 def group_key(site_name: str, tensor: str) -> Optional[str]:
     """The group over which the amax of ``tensor`` of the GEMM site ``site_name`` is reduced, or None."""
     for rule in _rules:

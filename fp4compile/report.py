@@ -93,7 +93,10 @@ class Report:
         by_graph = {}
         for ctx in self.contexts:
             by_graph[ctx.graph_id] = ctx
-        return [by_graph[k] for k in sorted(by_graph)]
+        latest = [by_graph[k] for k in sorted(by_graph)]
+        for ctx in latest:
+            ctx.restore()  # a compilation served from the cache: its passes' graphs, rebuilt once
+        return latest
 
     @property
     def sites(self) -> list[SiteView]:

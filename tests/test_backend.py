@@ -462,33 +462,3 @@ def test_fuse_amax_through_inductor_keeps_the_bits(monkeypatch):
     assert g0.keys() == g1.keys()
     for name in g0:
         assert torch.equal(g0[name], g1[name]), name
-
-
-def test_a_warm_inductor_cache_never_serves_graphs_compiled_for_another_recipe(monkeypatch, tmp_path):
-    """Inductor's on-disk caches persist between processes. AOTAutograd's cache is keyed on the dynamo
-    graph, which does not hold the recipe, so it must not serve a graph with FP4 linears (it bypasses
-    them: ``fp4_linear`` is not a function it caches); Inductor's FX graph cache, keyed on the graph our
-    passes produced, may. A second compile with RHT off must get RHT-free graphs from a warm cache."""
-    from torch._dynamo.utils import counters
-    from torch._inductor import config as inductor_config
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    idx = torch.randint(0, 64, (2, 32))
-
-    def step(**recipe):
-        torch._dynamo.reset()
-        counters.clear()
-        backend = Backend(**recipe)
-        _train_step(_gpt(), backend, idx)
-        backward = [gr.code for gr in backend.report.graphs if gr.stage == "backward" and gr.pass_name == "fuse_amax"]
-        return backend, backward, dict(counters["aot_autograd"]), dict(counters["inductor"])
-
-    # Both caches on, through the config modules' own patch (monkeypatch's undo would delete the entries).
-    with inductor_config.patch(fx_graph_cache=True), torch._functorch.config.patch(enable_autograd_cache=True):
-        _, backward, aot, _ = step()
-        assert len(backward) == 1 and "fp4.rht_quantize" in backward[0]
-        _, backward, aot, inductor = step()  # the same recipe again: Inductor's cache serves it
-        assert inductor.get("fxgraph_cache_hit", 0) == 2 and not aot.get("autograd_cache_hit")
-        _, backward, aot, _ = step(rht=False)
-        assert not aot.get("autograd_cache_hit")
-        assert len(backward) == 1 and "fp4.rht_quantize" not in backward[0] and "fp4.quantize" in backward[0]

@@ -1,0 +1,262 @@
+"""AOTAutograd's on-disk cache for graphs with FP4 linears (fp4compile.aot_cache).
+
+Each test compiles a small GPT with Inductor's FX graph cache and AOTAutograd's cache on, in a cache
+directory of its own, resetting dynamo between compiles as a new process would start."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fp4compile
+from fp4compile import Backend, Recipe, aot_cache, distributed
+from fp4compile.passes import pipeline
+from fp4compile.sites import CompileContext, GemmSite
+from models import TinyGPT, grads, lm_loss
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+IDX = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def caches(monkeypatch, tmp_path):
+    """Both on-disk caches on, in a directory of the test's own (through the config modules' own patch:
+    monkeypatch's undo would delete their entries for later tests)."""
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(aot_cache.ENV, raising=False)
+    monkeypatch.delenv("FP4COMPILE_PRINT_IR_AFTER", raising=False)
+    with inductor_config.patch(fx_graph_cache=True), torch._functorch.config.patch(enable_autograd_cache=True):
+        yield tmp_path
+
+
+def start(backend: Backend):
+    """One training step of a fresh model compiled by ``backend``, as a new process would run it:
+    (logits, gradients, AOTAutograd's cache counters)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fp4compile.manual_seed(0)
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=3)
+    logits = torch.compile(model, backend=backend)(IDX)
+    lm_loss(logits, IDX).backward()
+    return logits.detach(), grads(model), dict(counters["aot_autograd"])
+
+
+def backward_code(backend: Backend) -> str:
+    (code,) = [g.code for g in backend.report.graphs if g.stage == "backward" and g.pass_name == "fuse_amax"]
+    return code
+
+
+def test_a_second_start_is_served_from_the_cache_with_the_same_bits_and_report(caches):
+    cold = Backend()
+    logits0, grads0, counts0 = start(cold)
+    assert counts0.get("autograd_cache_saved") == 1 and not counts0.get("autograd_cache_hit")
+    assert not cold.report.contexts[0].from_cache
+
+    warm = Backend()
+    logits1, grads1, counts1 = start(warm)
+    assert counts1.get("autograd_cache_hit") == 1
+    ctx = warm.report.contexts[0]
+    assert ctx.from_cache and ctx.graphs and all(g.stage == "dynamo" for g in ctx.graphs)  # no aot pass ran
+
+    # The cached graphs compute the same bits (SR included: same seed) ...
+    assert torch.equal(logits0, logits1)
+    assert grads0.keys() == grads1.keys() and all(torch.equal(grads0[k], grads1[k]) for k in grads0)
+    # ... and the report, read, rebuilds the passes' graphs and the GEMMs' roles as the cold start made them.
+    assert [(g.stage, g.pass_name, g.code) for g in warm.report.graphs] == [
+        (g.stage, g.pass_name, g.code) for g in cold.report.graphs
+    ]
+    assert [(s.name, s.precision, s.roles) for s in warm.report.sites] == [
+        (s.name, s.precision, s.roles) for s in cold.report.sites
+    ]
+    assert "fp4.rht_quantize" in backward_code(warm)
+    assert warm.report.summary() == cold.report.summary()
+
+
+def _high_precision_mlp(gm, ctx):
+    for site in ctx.sites:
+        if site.name.endswith("mlp.fc"):
+            site.set_precision("high", "kept by a user pass")
+    return gm
+
+
+def test_another_recipe_or_precision_plan_is_never_served_the_graphs_of_the_first(caches):
+    """The cache's key holds the recipe and every site's precision: a start with RHT off, or with a user
+    pass keeping a layer in high precision, compiles its own graphs."""
+    start(Backend())
+    no_rht = Backend(rht=False)
+    _, _, counts = start(no_rht)
+    assert counts.get("autograd_cache_miss") == 1 and not counts.get("autograd_cache_hit")
+    assert "fp4.rht_quantize" not in backward_code(no_rht) and "fp4.quantize" in backward_code(no_rht)
+
+    plan = Backend(passes=[_high_precision_mlp])
+    _, _, counts = start(plan)
+    assert counts.get("autograd_cache_miss") == 1 and not counts.get("autograd_cache_hit")
+    fc = [s for s in plan.report.sites if s.name.endswith("mlp.fc")]
+    assert fc and all(s.precision == "high" and s.roles["fprop"].precision == "high" for s in fc)
+    _, _, counts = start(Backend(passes=[_high_precision_mlp]))  # the same plan again: served
+    assert counts.get("autograd_cache_hit") == 1
+
+
+def _aot_fallback(gm, ctx):
+    """An aot-level pass logging a fallback, as ``plan_gemm_roles`` does for a dynamic K."""
+    site = next(s for s in ctx.sites if s.is_low_precision)
+    stage = "backward" if any(n.name.startswith("tangents") for n in gm.graph.nodes if n.op == "placeholder") else "forward"
+    ctx.fallback(site, "wgrad", f"test reason in the {stage} graph")
+    return gm
+
+
+def test_what_the_passes_logged_is_logged_again_on_a_hit(caches, monkeypatch, caplog):
+    monkeypatch.setattr(pipeline, "AOT_PASSES", [*pipeline.AOT_PASSES, _aot_fallback])
+    with caplog.at_level("WARNING", logger="fp4compile"):
+        start(Backend())
+    cold_messages = [r.getMessage() for r in caplog.records if "test reason" in r.getMessage()]
+    assert len(cold_messages) == 2  # forward and backward
+
+    caplog.clear()
+    warm = Backend()
+    with caplog.at_level("WARNING", logger="fp4compile"):
+        _, _, counts = start(warm)
+    assert counts.get("autograd_cache_hit") == 1
+    assert [r.getMessage() for r in caplog.records if "test reason" in r.getMessage()] == cold_messages
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fp4compile"):
+        fallbacks = warm.report.fallbacks  # the rebuild: recorded in the report, not logged a third time
+    assert sum("test reason" in f for f in fallbacks) == 2 and "test reason" not in caplog.text
+
+
+def test_a_hit_without_its_record_runs_the_passes_again_at_once(caches, caplog):
+    start(Backend())
+    records = list((caches / "fp4compile_aot").glob("*.json"))
+    assert len(records) == 1
+    records[0].unlink()
+    warm = Backend()
+    with caplog.at_level("INFO", logger="fp4compile"):
+        _, _, counts = start(warm)
+    assert counts.get("autograd_cache_hit") == 1
+    assert "no record of what its passes logged" in caplog.text
+    ctx = warm.report.contexts[0]
+    assert ctx._rebuild is None and {g.stage for g in ctx.graphs} == {"dynamo", "forward", "backward"}
+
+
+@pytest.mark.parametrize("switch", ["env", "print_ir_after"])
+def test_graphs_stay_out_of_the_cache_when_switched_off_or_printed(caches, monkeypatch, switch, capsys):
+    def backend():
+        if switch == "env":
+            monkeypatch.setenv(aot_cache.ENV, "0")
+            return Backend()
+        return Backend(print_ir_after="fuse_amax")
+
+    start(backend())
+    warm = backend()
+    _, _, counts = start(warm)
+    assert not counts.get("autograd_cache_hit") and counts.get("autograd_cache_bypass") == 1
+    assert not warm.report.contexts[0].from_cache
+    if switch == "print_ir_after":
+        assert capsys.readouterr().out.count("after fuse_amax") == 4  # forward and backward, both starts
+
+
+def _context(**recipe) -> CompileContext:
+    ctx = CompileContext(Recipe(**recipe), 0)
+    ctx.sites = [GemmSite(0, "blocks.1.mlp.fc", "linear", "Linear", 32, 128, (2, 32, 32), True, "fc", precision="nvfp4")]
+    ctx.n_blocks, ctx.block_names = 3, ["blocks.0", "blocks.1", "blocks.2"]
+    return ctx
+
+
+def test_the_key_covers_recipe_sites_passes_settings_and_sharded_amax(monkeypatch):
+    inputs = [torch.zeros(2, 32)]
+    monkeypatch.delenv("FP4COMPILE_TEST_SETTING", raising=False)
+    base = aot_cache.digest(_context(), inputs)
+    assert aot_cache.digest(_context(), inputs) == base  # stable
+    assert aot_cache.digest(_context(rht=False), inputs) != base
+    high = _context()
+    high.sites[0] = dataclasses.replace(high.sites[0], precision="high")
+    assert aot_cache.digest(high, inputs) != base
+    assert aot_cache.digest(_context(), inputs, grad_buffers=["logits"]) != base
+    assert aot_cache.digest(_context(), [torch.zeros(2, 32, dtype=torch.bfloat16, device="meta")]) != base
+    monkeypatch.setenv("FP4COMPILE_TEST_SETTING", "1")  # every FP4COMPILE_* setting
+    assert aot_cache.digest(_context(), inputs) != base
+    monkeypatch.delenv("FP4COMPILE_TEST_SETTING")
+    monkeypatch.setattr(pipeline, "AOT_PASSES", [*pipeline.AOT_PASSES, _aot_fallback])  # another pipeline
+    assert aot_cache.digest(_context(), inputs) != base
+    monkeypatch.undo()
+    distributed._rules.append(distributed.ShardedAmax("blocks.*", frozenset({"W"}), "0"))
+    try:
+        assert aot_cache.digest(_context(), inputs) != base
+    finally:
+        distributed.clear()
+    assert aot_cache.digest(_context(), inputs) == base
+
+
+def test_config_patches_mark_fp4compile_functions_and_keep_others():
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(unsafe_marked_cacheable_functions={"mylib.fn": "v1"}):
+        patches = aot_cache.config_patches("k", {"triton.cudagraphs": True})
+    assert patches["triton.cudagraphs"] is True
+    assert patches["unsafe_marked_cacheable_functions"] == {
+        "mylib.fn": "v1", "fp4compile.ops.fp4_linear": "k", "fp4compile.ops.fp4_matmul": "k",
+    }
+    assert {f"{f.__module__}.{f.__name__}" for f in (fp4compile.ops.linear, fp4compile.ops.matmul)} == set(
+        aot_cache.FUNCTIONS
+    )
+
+
+def test_enabled_by_default_and_off_by_switch(monkeypatch):
+    monkeypatch.delenv(aot_cache.ENV, raising=False)
+    monkeypatch.delenv("FP4COMPILE_PRINT_IR_AFTER", raising=False)
+    assert aot_cache.enabled() == (True, "")
+    assert aot_cache.enabled(print_ir_after="dynamo_only_name")[0]  # no aot-level pass printed
+    assert not aot_cache.enabled(print_ir_after="all")[0]
+    monkeypatch.setenv("FP4COMPILE_PRINT_IR_AFTER", "lower_scaled_mm")
+    assert not aot_cache.enabled()[0]
+    monkeypatch.delenv("FP4COMPILE_PRINT_IR_AFTER")
+    monkeypatch.setenv(aot_cache.ENV, "0")
+    assert aot_cache.enabled() == (False, f"{aot_cache.ENV}=0")
+
+
+@pytest.mark.gpu
+def test_a_warm_start_under_cuda_graphs_replays_the_same_bits(caches):
+    """On a GPU, with the step recorded in CUDA graphs (decoded operands, unused-gradient buffers, SR
+    from the device's stream): the warm start is served from the cache and its steps give the cold
+    start's losses and gradients."""
+    from torch._dynamo.utils import counters
+
+    from models import GPTWithLoss
+
+    torch.manual_seed(0)
+    state = GPTWithLoss().state_dict()
+    idx = torch.randint(0, 512, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+
+    def run():
+        torch._dynamo.reset()
+        counters.clear()
+        fp4compile.manual_seed(7)
+        model = GPTWithLoss().cuda()
+        model.load_state_dict(state)
+        compiled = torch.compile(model, backend=Backend(mode="reduce-overhead", high_precision_first_blocks=0,
+                                                        high_precision_last_blocks=0))
+        steps = []
+        for _ in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            _, loss = compiled(idx)
+            loss.backward()
+            steps.append((loss.detach().clone(), grads(model)))
+            model.zero_grad(set_to_none=True)
+        return steps, dict(counters["aot_autograd"])
+
+    cold, _ = run()
+    warm, counts = run()
+    assert counts.get("autograd_cache_hit") == 1
+    for (loss0, g0), (loss1, g1) in zip(cold, warm):
+        assert torch.equal(loss0, loss1)
+        # CUDA's embedding backward accumulates with atomics: its last bits differ between any two runs.
+        torch.testing.assert_close(g1.pop("gpt.tok_emb.weight"), g0.pop("gpt.tok_emb.weight"), rtol=1e-5, atol=1e-7)
+        assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
