@@ -41,7 +41,14 @@ log = logging.getLogger("fp4compile")
 ENV = "FP4COMPILE_AOT_CACHE"
 # The functions of fp4compile that dynamo graphs call, by the name AOTAutograd's check gives them.
 FUNCTIONS = ("fp4compile.ops.fp4_linear", "fp4compile.ops.fp4_matmul")
-# Environment variables read while the graphs are rewritten (beside every FP4COMPILE_* one).
+# fp4compile's settings that change how or where things are compiled or cached, never what the passes
+# make of a graph: left out of the key, so that changing one still finds Inductor's FX graph cache (whose
+# key holds this one). Every other FP4COMPILE_* variable is in the key.
+RUNTIME_ONLY_ENV = (
+    ENV, "FP4COMPILE_CACHE_DIR", "FP4COMPILE_NVCC", "FP4COMPILE_COMPILE_GC_THRESHOLD", "FP4COMPILE_PRECOMPILE",
+    "FP4COMPILE_PRECOMPILE_THREADS", "FP4COMPILE_PRINT_IR_AFTER",
+)
+# Other environment variables the passes' choices depend on.
 OTHER_ENV = ("TRITON_INTERPRET", "CUDA_HOME", "CUDA_PATH")
 
 
@@ -55,8 +62,10 @@ def enabled(print_ir_after=None, example_inputs=()) -> tuple[bool, str]:
     if any(pipeline._print_after(print_ir_after, pipeline.pass_name(p)) for p in pipeline.AOT_PASSES):
         return False, "the passes print their graphs while compiling"
     for device in {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}:
-        from fp4compile.codegen import cutlass_gemm
-
+        try:
+            from fp4compile.codegen import cutlass_gemm
+        except ImportError:  # no CUTLASS code generation here: every GEMM is emulated
+            break
         if cutlass_gemm.device_supports_cutlass(device)[0]:
             # Which GEMMs get a CUTLASS kernel depends on whether its build succeeds on this machine,
             # which no key can tell beforehand.
@@ -111,8 +120,11 @@ def digest(ctx, example_inputs, grad_buffers=()) -> str:
         "blocks": [ctx.n_blocks, list(ctx.block_names)],
         "model_sites": ctx.model_site_names,
         "grad_buffers": list(grad_buffers),
-        "sharded_amax": distributed.cache_state(),
-        "env": sorted((k, v) for k, v in os.environ.items() if k.startswith("FP4COMPILE_") or k in OTHER_ENV),
+        "sharded_amax": distributed.cache_state(ctx.sharded_amax),
+        "env": sorted(
+            (k, v) for k, v in os.environ.items()
+            if (k.startswith("FP4COMPILE_") and k not in RUNTIME_ONLY_ENV) or k in OTHER_ENV
+        ),
         "devices": _devices(example_inputs),
         "triton": list(triton_kernels.available()),
     }
@@ -128,21 +140,45 @@ def config_patches(key: str, config: dict) -> dict:
     return dict(config, unsafe_marked_cacheable_functions=marked)
 
 
+def runtime_state() -> dict:
+    """The grad mode and each device's autocast dtype (None: off) now: with the example inputs, what
+    tells AOTAutograd's entries for one graph apart (a training and an inference compile)."""
+    return {
+        "grad": torch.is_grad_enabled(),
+        "autocast": {
+            device: torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+            for device in torch._C._autocast_supported_devices()
+        },
+    }
+
+
+def inputs_text(example_inputs) -> list:
+    """Each example input as text: a tensor's dtype, shape, strides and device, anything else's repr."""
+    return [
+        [str(t.dtype), [str(d) for d in t.shape], [str(d) for d in t.stride()], str(t.device)]
+        if isinstance(t, torch.Tensor) else repr(t)
+        for t in example_inputs
+    ]
+
+
 class Record:
     """What the passes of one compilation logged, kept beside its cache entry: per stage ("forward",
     "backward"), the GEMMs kept in high precision for a reason (``CompileContext.fallback``).
 
-    Stored as JSON under Inductor's cache directory, named by the key and the dynamo graph's code."""
+    Stored as JSON under Inductor's cache directory, named by the key, the dynamo graph's code, the
+    example inputs and the grad and autocast modes (as AOTAutograd's entry is)."""
 
-    def __init__(self, key: str, code: str):
-        name = hashlib.sha256((key + "\n" + code).encode()).hexdigest()[:40]
+    def __init__(self, key: str, code: str, example_inputs=()):
+        state = json.dumps([key, code, inputs_text(example_inputs), runtime_state()], default=str)
+        name = hashlib.sha256(state.encode()).hexdigest()[:40]
         self.path = Path(_cache_dir()) / "fp4compile_aot" / f"{name}.json"
 
     def load(self) -> Optional[dict]:
         try:
-            return json.loads(self.path.read_text())
+            data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return None
+        return data if isinstance(data, dict) else None
 
     def save(self, stage: str, fallbacks: list) -> None:
         data = self.load() or {}

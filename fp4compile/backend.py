@@ -239,12 +239,15 @@ def _compile_inductor(gm, example_inputs, aot_passes, config_patches, ctx: Compi
     report's graphs are rebuilt when it is read. None: the graph stays out of that cache."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
+    from torch._dynamo.utils import counters
+
     record = original = None
     if cache_key is not None:
-        record = aot_cache.Record(cache_key, gm.code)
+        record = aot_cache.Record(cache_key, gm.code, example_inputs)
         original = clone_dynamo_module(gm)
         config_patches = aot_cache.config_patches(cache_key, config_patches)
     stages = []
+    hits = counters["aot_autograd"]["autograd_cache_hit"]
 
     def inner_compile(graph, inputs, **kwargs):
         stage = "backward" if kwargs.get("is_backward") else "forward"
@@ -257,7 +260,8 @@ def _compile_inductor(gm, example_inputs, aot_passes, config_patches, ctx: Compi
             return compile_fx_inner(graph, inputs, **kwargs)
 
     compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
-    if record is not None and not stages:  # AOTAutograd's cache served both graphs: no pass ran
+    served = counters["aot_autograd"]["autograd_cache_hit"] > hits
+    if record is not None and served and not stages:  # AOTAutograd's cache served the graphs: no pass ran
         _served_from_cache(ctx, record, original, example_inputs, config_patches)
     return compiled
 
@@ -266,8 +270,19 @@ def _served_from_cache(ctx: CompileContext, record, original, example_inputs, co
     """After an AOTAutograd cache hit: log what the passes logged when the entry was made, and let the
     report rebuild the forward and backward graphs when read (at once where the record is missing)."""
     tracing_context = torch._guards.TracingContext.try_get()
+    state = aot_cache.runtime_state()
+    # The rebuild traces dynamo's own example values (fake tensors) rather than the inputs of the call,
+    # which it would otherwise keep alive until the report is read.
+    placeholders = [n for n in original.graph.nodes if n.op == "placeholder"]
+    fakes = [n.meta.get("example_value") for n in placeholders]
+    inputs = fakes if len(fakes) == len(example_inputs) and all(
+        isinstance(f, torch.Tensor) == isinstance(t, torch.Tensor) for f, t in zip(fakes, example_inputs)
+    ) else list(example_inputs)
+    del example_inputs
 
     def rebuild():
+        import contextlib
+
         from functorch.compile import make_boxed_func
         from torch._inductor.compile_fx import compile_fx
 
@@ -277,8 +292,15 @@ def _served_from_cache(ctx: CompileContext, record, original, example_inputs, co
             return make_boxed_func(graph.forward)  # the cached graphs run; this is for the report only
 
         cache_off = torch._functorch.config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True)
-        with torch._guards.tracing(tracing_context), cache_off, compile_gc.relaxed():
-            compile_fx(clone_dynamo_module(original), example_inputs, inner_compile=passes_only,
+        with contextlib.ExitStack() as modes:  # the grad mode and autocast the graph was compiled under
+            modes.enter_context(torch.set_grad_enabled(state["grad"]))
+            for device, dtype in state["autocast"].items():
+                if aot_cache.runtime_state()["autocast"][device] != dtype:
+                    modes.enter_context(torch.autocast(device, dtype=dtype, enabled=dtype is not None))
+            modes.enter_context(torch._guards.tracing(tracing_context))
+            modes.enter_context(cache_off)
+            modes.enter_context(compile_gc.relaxed())
+            compile_fx(clone_dynamo_module(original), inputs, inner_compile=passes_only,
                        config_patches=config_patches or None)
 
     ctx.served_from_cache(rebuild)

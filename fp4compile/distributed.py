@@ -16,7 +16,8 @@ quantizes what it holds, and that is the right amax in most cases:
 Declarations map fnmatch patterns of GEMM-site names (module paths, as ``backend.report`` shows them)
 to a process group and the model tensors of that GEMM that are sharded: "X" (the input activation,
 fprop X and wgrad X^T), "W" (the weight, fprop W and dgrad W^T) and "dY" (the output gradient, dgrad dY
-and wgrad dY^T). They are read when a graph is compiled, so declare before the first call.
+and wgrad dY^T). They are read when a graph is compiled, so declare before the first call; the backward,
+compiled at the first backward, uses the declarations its forward was compiled with.
 
     dist_fp4.column_parallel("blocks.*.mlp.fc", tp_group)   # W split by rows, output (dY) sharded
     dist_fp4.row_parallel("blocks.*.mlp.out", tp_group)     # W split by columns, input (X) sharded
@@ -106,7 +107,8 @@ def clear() -> None:
 def sharded_amax(
     pattern: str, group: Optional["dist.ProcessGroup"] = None, tensors: Sequence[str] = ("W",)
 ) -> Iterator[ShardedAmax]:
-    """``shard_amax`` for the graphs compiled inside the ``with`` block."""
+    """``shard_amax`` for the graphs compiled inside the ``with`` block (their backward included, even
+    when it runs after the block)."""
     rule = shard_amax(pattern, group, tensors)
     try:
         yield rule
@@ -114,14 +116,21 @@ def sharded_amax(
         remove(rule)
 
 
-def cache_state() -> list:
-    """The declarations, as text a compile cache keys on: (pattern, tensors, group) per rule, in order."""
-    return [[rule.pattern, sorted(rule.tensors), rule.group] for rule in _rules]
+def snapshot() -> tuple:
+    """The declarations in effect now. A compilation takes them once, when it starts (the graph's first
+    call), and its backward, compiled at the first backward, uses the same ones."""
+    return tuple(_rules)
 
 
-def group_key(site_name: str, tensor: str) -> Optional[str]:
-    """The group over which the amax of ``tensor`` of the GEMM site ``site_name`` is reduced, or None."""
-    for rule in _rules:
+def cache_state(rules: Sequence[ShardedAmax]) -> list:
+    """``rules`` as text a compile cache keys on: (pattern, tensors, group) per rule, in order."""
+    return [[rule.pattern, sorted(rule.tensors), rule.group] for rule in rules]
+
+
+def group_key(site_name: str, tensor: str, rules: Optional[Sequence[ShardedAmax]] = None) -> Optional[str]:
+    """The group over which the amax of ``tensor`` of the GEMM site ``site_name`` is reduced, or None;
+    by ``rules`` (a compilation's ``snapshot()``), else the declarations in effect now."""
+    for rule in (_rules if rules is None else rules):
         if tensor in rule.tensors and fnmatch.fnmatchcase(site_name, rule.pattern):
             return rule.group
     return None

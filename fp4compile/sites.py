@@ -216,6 +216,11 @@ class CompileContext:
         self.final_graphs: dict[str, torch.fx.Graph] = {}  # stage -> graph after the latest pass
         self.fallbacks: list[str] = []
         self.other_gemms: list = []  # matrix products that are not GEMM sites (find_gemm_sites)
+        # The sharded-amax declarations as the compilation started (``distributed.snapshot``): the backward
+        # passes, which run at the first backward, see the ones the forward saw.
+        from fp4compile import distributed
+
+        self.sharded_amax = distributed.snapshot()
         self.from_cache = False  # forward and backward served from AOTAutograd's cache (``served_from_cache``)
         self._rebuild = None
         self._quiet = False

@@ -98,7 +98,7 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             seed, label, operand_name = operand_seed_and_label(recipe, site, info.role, i)
             args = (operand, info.precision, block, rounding, seed, label)
             tensor = OPERAND_TENSORS[info.role][i]
-            group = distributed.group_key(site.name, tensor) if info.precision == "nvfp4" and not activation else None
+            group = distributed.group_key(site.name, tensor, ctx.sharded_amax) if info.precision == "nvfp4" and not activation else None
             meta = {"site": site.name, "role": info.role, "operand": operand_name, "block": block, "rounding": rounding,
                     "amax_group": group}
             given = _given_x_amax(info, i, x_amax, group)

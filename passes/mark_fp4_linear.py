@@ -40,7 +40,7 @@ def _share_weight(ctx: CompileContext, site) -> Optional[tuple]:
     recipe = ctx.recipe
     if not (recipe.share_weight and recipe.quantize_backward and site.precision == "nvfp4"):
         return None
-    if recipe.weight_block != "16x16" or distributed.group_key(site.name, "W") is not None:
+    if recipe.weight_block != "16x16" or distributed.group_key(site.name, "W", ctx.sharded_amax) is not None:
         return None
     seed, label, _ = operand_seed_and_label(recipe, site, "fprop", 1)
     return seed, label
@@ -54,7 +54,7 @@ def _share_amax(ctx: CompileContext, site, x: fx.Node) -> Optional[int]:
     recipe = ctx.recipe
     if not (recipe.quantize_backward and recipe.rht and site.precision == "nvfp4"):
         return None
-    if distributed.group_key(site.name, "X") is not None:
+    if distributed.group_key(site.name, "X", ctx.sharded_amax) is not None:
         return None
     val = example_tensor(x)
     if val is None or val.dim() < 2 or not fuse_amax.separate_amax_costs_a_read(val):
