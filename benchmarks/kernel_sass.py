@@ -1,13 +1,14 @@
 """Machine code of the NVFP4 Triton kernels for sm_90 (Hopper), built without a GPU: instructions per element.
 
 Compiles each kernel at its default launch configuration (``triton_kernels.CONFIGS``) for compute
-capability 9.0 with ``triton.compile`` (no device needed), disassembles it with the ``cuobjdump`` that
+capability 9.0 (``--arch``: another one, e.g. 80 for the A100) with ``triton.compile`` (no device needed), disassembles it with the ``cuobjdump`` that
 Triton's package carries, and prints the instruction count, registers, elements per thread and
 instructions per element. Integer arguments are marked divisible by 16, as Triton specializes them at
 launch for the benchmark's 8192x8192 input, so the loads are vectorized as they are there.
 
     python benchmarks/kernel_sass.py                  # all kernels
     python benchmarks/kernel_sass.py --kernels rows_rne rht_sr --dump-dir sass/
+    python benchmarks/kernel_sass.py --arch 80        # the A100: block scales to E4M3 without fp8 hardware
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ QUANT_ARGS = {
 }
 
 
-def kernel_specs(tk):
-    """name -> (jit function, signature, constexprs, config key, elements per loop iteration of a program)."""
+def kernel_specs(tk, arch: int = 90):
+    """name -> (jit function, signature, constexprs, config key) for compute capability ``arch`` (the
+    hardware E4M3 conversion from sm_89 on, as ``triton_kernels._hw_e4m3`` chooses at launch)."""
+    e4m3 = int(arch >= 89)
     rows = dict(QUANT_ARGS, TILE_ROWS="constexpr", SR="constexpr", SWIZZLE="constexpr", FAKE="constexpr",
                 PASS="constexpr", MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr", K_FIRST="constexpr",
-                ITERS="constexpr")
+                ITERS="constexpr", E4M3="constexpr")
     rht = dict(QUANT_ARGS, SR="constexpr", SWIZZLE="constexpr", FAKE="constexpr", PASS="constexpr",
-               MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr", K_FIRST="constexpr")
+               MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr", K_FIRST="constexpr", E4M3="constexpr")
     amax = {"x_ptr": "*bf16", "amax_x_ptr": "*i32", "amax_y_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
             "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "ITERS": "constexpr", "K_FIRST": "constexpr"}
     k_first = lambda key: int(bool(tk.CONFIGS[key].get("K_FIRST")))  # noqa: E731
@@ -56,16 +59,16 @@ def kernel_specs(tk):
         cfg = tk.CONFIGS["quantize_rows"]
         specs[f"rows_{name}"] = (tk._quantize_rows_kernel, rows, dict(
             TILE_ROWS=1, SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
-            K_FIRST=k_first("quantize_rows"), ITERS=cfg.get("ITERS", 1)), "quantize_rows")
+            K_FIRST=k_first("quantize_rows"), ITERS=cfg.get("ITERS", 1), E4M3=e4m3), "quantize_rows")
         cfg = tk.CONFIGS["rht_quantize"]
         specs[f"rht_{name}"] = (tk._rht_quantize_kernel, rht, dict(
             SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
-            K_FIRST=k_first("rht_quantize")), "rht_quantize")
+            K_FIRST=k_first("rht_quantize"), E4M3=e4m3), "rht_quantize")
     for name, key, kernel, args in (("rows_rne_fake", "fake_rows", tk._quantize_rows_kernel, rows),
                                     ("rht_rne_fake", "rht_quantize", tk._rht_quantize_kernel, rht)):
         cfg = tk.CONFIGS[key]
         consts = dict(SR=0, SWIZZLE=0, FAKE=1, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
-                      K_FIRST=k_first(key))
+                      K_FIRST=k_first(key), E4M3=e4m3)
         if "TILE_ROWS" in args:
             consts.update(TILE_ROWS=1, ITERS=cfg.get("ITERS", 1))
         specs[name] = (kernel, args, consts, key)
@@ -73,10 +76,11 @@ def kernel_specs(tk):
             "M": "i32", "K": "i32", "stride_xm": "i32", "seed_ptr": "*i64", "seed_lo": "i32", "seed_hi": "i32",
             "seed_t_ptr": "*i64", "seed_t_lo": "i32", "seed_t_hi": "i32", "SR": "constexpr", "MIX": "constexpr",
             "SR_T": "constexpr", "MIX_T": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-            "K_FIRST": "constexpr"}
+            "K_FIRST": "constexpr", "E4M3": "constexpr"}
     cfg = tk.CONFIGS["dual_quantize"]
     specs["dual_sr_fake"] = (tk._dual_quantize_kernel, dual, dict(
-        SR=1, MIX=0, SR_T=1, MIX_T=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], K_FIRST=k_first("dual_quantize")),
+        SR=1, MIX=0, SR_T=1, MIX_T=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], K_FIRST=k_first("dual_quantize"),
+        E4M3=e4m3),
         "dual_quantize")
     cfg = tk.CONFIGS["rht_amax"]
     specs["wgrad_amax"] = (tk._rht_amax_kernel, amax, dict(
@@ -93,7 +97,7 @@ def cuobjdump() -> str:
     return path
 
 
-def measure(tk, name, spec, dump_dir=None) -> dict:
+def measure(tk, name, spec, dump_dir=None, arch: int = 90) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -107,7 +111,7 @@ def measure(tk, name, spec, dump_dir=None) -> dict:
     }
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False}
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False}
     )
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, f"{name}.cubin")
@@ -128,14 +132,17 @@ def measure(tk, name, spec, dump_dir=None) -> dict:
 
 def main(argv=None) -> int:
     tk = _load_kernels()
-    specs = kernel_specs(tk)
+    names = list(kernel_specs(tk))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kernels", nargs="+", choices=sorted(specs), default=list(specs))
+    parser.add_argument("--kernels", nargs="+", choices=sorted(names), default=names)
     parser.add_argument("--dump-dir", help="also write each kernel's disassembly here")
+    parser.add_argument("--arch", type=int, default=90,
+                        help="compute capability to compile for, as 10*major+minor (default 90: Hopper; 80: A100)")
     args = parser.parse_args(argv)
+    specs = kernel_specs(tk, args.arch)
     print(f"{'kernel':12s} {'instructions':>12s} {'registers':>9s} {'elems/thread':>12s} {'per element':>11s}")
     for name in args.kernels:
-        r = measure(tk, name, specs[name], args.dump_dir)
+        r = measure(tk, name, specs[name], args.dump_dir, args.arch)
         print(f"{name:12s} {r['instructions']:12d} {r['registers']:9d} {r['elements_per_thread']:12d} "
               f"{r['per_element']:11.1f}", flush=True)
     return 0

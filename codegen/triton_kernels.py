@@ -216,13 +216,16 @@ if triton is not None:
         value = tl.where(normal, (rounded << 20).to(tl.float32, bitcast=True), steps * 0.001953125)
         return code, tl.where(nan, f, value)
 
-    # Where the kernels are compiled for a GPU, block scales are converted to E4M3 by the hardware
-    # (Triton's fp32 -> float8e4nv conversion); its interpreter takes the bit-level path (``_e4m3``).
+    # Where the kernels are compiled for a GPU of sm_89 or later, block scales are converted to E4M3 by
+    # the hardware (Triton's fp32 -> float8e4nv conversion, which Triton refuses for older GPUs such as
+    # the A100); elsewhere, and in Triton's interpreter, they take the bit-level path (``_e4m3``). The
+    # kernels take the choice as their E4M3 argument (``_hw_e4m3``).
     _HW_E4M3 = tl.constexpr(not _interpreting())
 
     @_jit()
-    def _block_scale(bamax, s_enc, s_dec, HW: tl.constexpr = True):
-        """(E4M3 scale code, its fp32 value, the fp32 encode factor) for block maxima >= 0 or NaN."""
+    def _block_scale(bamax, s_enc, s_dec, HW: tl.constexpr):
+        """(E4M3 scale code, its fp32 value, the fp32 encode factor) for block maxima >= 0 or NaN; ``HW``:
+        the hardware conversion (bit for bit the same codes and values as the bit-level path)."""
         sf32 = bamax * (s_enc * _ONE_SIXTH)
         sf32 = tl.where(sf32 > 448.0, 448.0, sf32)
         if _HW_E4M3 and HW:
@@ -571,6 +574,7 @@ if triton is not None:
     def _quantize_blocks_tile(
         x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
         SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        E4M3: tl.constexpr,
     ):
         """1x16 blocks of a [BLOCK_M, BLOCK_K] tile: loads it, then ``_quantize_loaded_blocks``."""
         rows, kb, ok = _tile_blocks(M, K, pid_m, pid_k, BLOCK_M, BLOCK_K)
@@ -578,12 +582,13 @@ if triton is not None:
         h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
         return _quantize_loaded_blocks(
             x_ptr, h0, h1, rows, kb, ok, data_ptr, scales_ptr, bd_ptr, amax, K, seed_lo, seed_hi, SR, SWIZZLE, FAKE,
+            E4M3,
         )
 
     @_jit()
     def _quantize_loaded_blocks(
         x_ptr, h0, h1, rows, kb, ok, data_ptr, scales_ptr, bd_ptr, amax, K, seed_lo, seed_hi,
-        SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr,
+        SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, E4M3: tl.constexpr,
     ):
         """1x16 blocks of a tile, given as loaded (h0, h1: the first and second halves of the blocks
         (rows, kb), ``ok`` where inside the tensor: ``_tile_blocks``, ``_load_half_blocks``) and held as
@@ -596,7 +601,7 @@ if triton is not None:
         # The block maximum of |x|; NaN wins (as in the integer order of the bits).
         bamax = tl.reduce(_max_nan(_max_nan(tl.abs(e0), tl.abs(o0)), _max_nan(tl.abs(e1), tl.abs(o1))), 1, _max_nan)
         s_enc, s_dec = _encode_scale(amax)
-        sf_code, sf, enc = _block_scale(bamax, s_enc, s_dec)
+        sf_code, sf, enc = _block_scale(bamax, s_enc, s_dec, E4M3)
         # NaN has no E2M1 code: blocks whose encode factor is NaN (the only ones where v can be NaN) get 0.
         keep = enc == enc
         flat = rows.to(tl.int64) * K + kb * 16  # flat index of each block's first element
@@ -614,13 +619,13 @@ if triton is not None:
     def _quantize_rows_tile(
         x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
         TILE_ROWS: tl.constexpr, SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, E4M3: tl.constexpr,
     ):
         """Quantize a [BLOCK_M, BLOCK_K] tile; returns the bits of its abs max."""
         if TILE_ROWS == 1:
             return _quantize_blocks_tile(
                 x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
-                SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K, E4M3,
             )
         NB: tl.constexpr = BLOCK_K // 16
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -631,7 +636,7 @@ if triton is not None:
         x4 = tl.reshape(x.to(tl.float32), (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
         bamax = tl.max(tl.max(_abs_bits(x4), axis=3), axis=1).to(tl.float32, bitcast=True)
         s_enc, s_dec = _encode_scale(amax)
-        sf_code, sf, enc = _block_scale(bamax, s_enc, s_dec)
+        sf_code, sf, enc = _block_scale(bamax, s_enc, s_dec, E4M3)
         v = x4 * enc[:, None, :, None]
         if SR:
             rand = tl.reshape(_sr_row_bits(rows, pid_k, K, BLOCK_K, seed_lo, seed_hi), (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
@@ -662,7 +667,7 @@ if triton is not None:
         seed_ptr, seed_lo, seed_hi,
         TILE_ROWS: tl.constexpr, SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, PASS: tl.constexpr,
         MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr = False,
-        ITERS: tl.constexpr = 1,
+        ITERS: tl.constexpr = 1, E4M3: tl.constexpr = False,
     ):
         """Quantizes ITERS consecutive tiles along K. With 1x16 blocks and ITERS > 1, the next tile's loads
         are issued before the tile loaded is quantized, so they are in flight during its arithmetic."""
@@ -675,7 +680,7 @@ if triton is not None:
                 for i in range(ITERS):
                     _quantize_rows_tile(
                         x_ptr, data_ptr, scales_ptr, bd_ptr, own, M, K, stride_xm, seed_lo, seed_hi, pid_m,
-                        k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                        k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K, E4M3,
                     )
         else:
             amax = tl.load(amax_ptr)
@@ -693,13 +698,13 @@ if triton is not None:
                     h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
                     bits = tl.maximum(bits, _quantize_loaded_blocks(
                         x_ptr, c0, c1, c_rows, c_kb, c_ok, data_ptr, scales_ptr, bd_ptr, amax, K, seed_lo, seed_hi,
-                        SR, SWIZZLE, FAKE,
+                        SR, SWIZZLE, FAKE, E4M3,
                     ))
             else:
                 for i in range(ITERS):
                     bits = tl.maximum(bits, _quantize_rows_tile(
                         x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m,
-                        k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                        k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K, E4M3,
                     ))
             if PASS == 1:
                 tl.atomic_max(own_ptr, bits)
@@ -1020,6 +1025,7 @@ if triton is not None:
     def _rht_quantize_tile(
         x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
         SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        E4M3: tl.constexpr,
     ):
         """Quantize RHT(x^T) for one tile; outputs are [K, M]-shaped (transposed). Returns its abs-max bits."""
         y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, chunks, cols = _rht_tile(
@@ -1029,7 +1035,7 @@ if triton is not None:
         s_enc, s_dec = _encode_scale(amax)
         # The hardware E4M3 conversion only for the decoded form: the packed one then needs 95 registers
         # instead of 72 on sm_90 (fewer programs per SM), and measured 5% slower with it.
-        sf_code, sf, enc = _block_scale(bits.to(tl.float32, bitcast=True), s_enc, s_dec, FAKE)
+        sf_code, sf, enc = _block_scale(bits.to(tl.float32, bitcast=True), s_enc, s_dec, FAKE and E4M3)
         mask = (chunks < M // 16)[:, None] & (cols < K)[None, :]
         # NaN has no E2M1 code: blocks whose encode factor is NaN (the only ones where v can be NaN) get 0.
         _rht_store_codes(
@@ -1046,6 +1052,7 @@ if triton is not None:
         seed_ptr, seed_lo, seed_hi,
         SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, PASS: tl.constexpr,
         MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr = False,
+        E4M3: tl.constexpr = False,
     ):
         pid_m, pid_k = _tile_ids(K_FIRST)
         seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
@@ -1054,12 +1061,12 @@ if triton is not None:
             if nonfinite:
                 _rht_quantize_tile(
                     x_ptr, data_ptr, scales_ptr, bd_ptr, own, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
-                    SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                    SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K, E4M3,
                 )
         else:
             tile_amax_bits = _rht_quantize_tile(
                 x_ptr, data_ptr, scales_ptr, bd_ptr, tl.load(amax_ptr), M, K, stride_xm, seed_lo, seed_hi, pid_m,
-                pid_k, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K,
+                pid_k, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K, E4M3,
             )
             if PASS == 1:
                 tl.atomic_max(own_ptr, tile_amax_bits)
@@ -1069,7 +1076,7 @@ if triton is not None:
         x_ptr, amax_ptr, amax_t_ptr, bd_ptr, bd_t_ptr, M, K, stride_xm,
         seed_ptr, seed_lo, seed_hi, seed_t_ptr, seed_t_lo, seed_t_hi,
         SR: tl.constexpr, MIX: tl.constexpr, SR_T: tl.constexpr, MIX_T: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr = False,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr = False, E4M3: tl.constexpr = False,
     ):
         """Both NVFP4 quantizations of a [M tokens, K] tensor, block-decoded, with their own amaxes given
         (``fp4.wgrad_amax``): 1x16 blocks along K into bd_ptr [M, K], and RHT(x^T) with 16-token blocks
@@ -1079,12 +1086,12 @@ if triton is not None:
         seed_t_lo, seed_t_hi = _stream_key(seed_t_ptr, seed_t_lo, seed_t_hi, MIX_T)
         _rht_quantize_tile(
             x_ptr, bd_t_ptr, bd_t_ptr, bd_t_ptr, tl.load(amax_t_ptr), M, K, stride_xm, seed_t_lo, seed_t_hi,
-            pid_m, pid_k, SR_T, False, True, BLOCK_M, BLOCK_K,
+            pid_m, pid_k, SR_T, False, True, BLOCK_M, BLOCK_K, E4M3,
         )
         seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
         _quantize_blocks_tile(
             x_ptr, bd_ptr, bd_ptr, bd_ptr, tl.load(amax_ptr), M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
-            SR, False, True, BLOCK_M, BLOCK_K,
+            SR, False, True, BLOCK_M, BLOCK_K, E4M3,
         )
 
     @_jit()
@@ -1243,6 +1250,18 @@ def launch_after(futures) -> None:
     """Make the next launch, in any thread, wait for these (background compiles) first."""
     with _pending_lock:
         _pending.extend(futures)
+
+
+def _hw_e4m3(device: torch.device) -> bool:
+    """Whether the kernels convert block scales to E4M3 in hardware on ``device``: a CUDA GPU of sm_89
+    or later (Ada, Hopper, Blackwell). Older GPUs (sm_80/86: A100, A10, RTX 30) have no such conversion,
+    and Triton refuses it there; they take the bit-level path, which gives the same bits."""
+    return device.type == "cuda" and _capability(device.index) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: Optional[int]) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
@@ -1422,7 +1441,8 @@ def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake, amax
             _quantize_rows_kernel, grid,
             x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             TILE_ROWS=tile_rows, SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=iters, **order, **_launch_options(cfg),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=iters, E4M3=_hw_e4m3(x2.device), **order,
+            **_launch_options(cfg),
         )
 
     amax_used = _quantize_passes(launch, lambda: _amax_bits(x2), amax, x2.device, amax_is_own)
@@ -1448,7 +1468,7 @@ def _quantize_wgrad(x, rounding, seed, amax, swizzle, fake, amax_is_own=False):
             _rht_quantize_kernel, grid,
             x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **order, **_launch_options(cfg),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], E4M3=_hw_e4m3(x2.device), **order, **_launch_options(cfg),
         )
 
     amax_used = _quantize_passes(launch, lambda: _rht_amax_bits(x2)[1], amax, x2.device, amax_is_own)
@@ -1619,7 +1639,7 @@ def fake_quantize_dual(
         x2, given[0], given[1], bd, bd_t, m, k, x2.stride(0),
         seeds["seed_ptr"], seeds["seed_lo"], seeds["seed_hi"], seeds_t["seed_ptr"], seeds_t["seed_lo"], seeds_t["seed_hi"],
         SR=rounding == "sr", MIX=seeds["MIX"], SR_T=rounding_t == "sr", MIX_T=seeds_t["MIX"],
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **order, **_launch_options(cfg),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], E4M3=_hw_e4m3(x2.device), **order, **_launch_options(cfg),
     )
     return bd.reshape(x.shape), bd_t
 

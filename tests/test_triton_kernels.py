@@ -576,6 +576,33 @@ def test_gpu_given_amax_non_finite():
     assert_same_quantization(*out, wgrad_reference(x, "sr", seed=8, amax=amax))
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_gpu_block_scales_without_fp8_hardware(monkeypatch, rounding):
+    """The path GPUs before sm_89 (A100, A10) take, run on this GPU: block scales converted to E4M3 on
+    the bits (``_e4m3``) instead of by the hardware, the same bits as the reference, special values
+    included, in every kernel that converts scales."""
+    monkeypatch.setattr(tk, "_hw_e4m3", lambda device: False)
+    x = sample((512, 1024), torch.bfloat16, seed=23, spread=4.0)
+    x[:64, :64] = special_values(torch.bfloat16)  # E4M3 subnormal scales, zero blocks, ties
+    seed = 0x5EED
+    assert_same_quantization(*tk.quantize_1x16(x.cuda(), rounding, seed=seed),
+                             formats.quantize(x, rounding=rounding, seed=seed))
+    ref = formats.quantize(x, block="16x16", rounding=rounding, seed=seed)
+    assert_same_quantization(*tk.quantize_16x16(x.cuda(), rounding, seed=seed), ref)
+    bd, _ = tk.fake_quantize_1x16(x.cuda(), rounding, seed=seed)
+    assert_same_float(bd, formats.block_decode(formats.quantize(x, rounding=rounding, seed=seed)).to(torch.bfloat16))
+    ref_t = wgrad_reference(x, rounding, seed=seed)
+    bd_t, _ = tk.fake_quantize_wgrad_operand(x.cuda(), rounding, seed=seed)
+    assert_same_float(bd_t, formats.block_decode(ref_t).to(torch.bfloat16))
+    amax, amax_t = tk.wgrad_amax(x.cuda())
+    dual, dual_t = tk.fake_quantize_dual(x.cuda(), rounding, seed, amax, "sr", seed + 1, amax_t)
+    assert_same_float(dual, tk.fake_quantize_1x16(x.cuda(), rounding, seed=seed, amax=amax, amax_is_own=True)[0])
+    assert_same_float(dual_t, tk.fake_quantize_wgrad_operand(x.cuda(), "sr", seed=seed + 1, amax=amax_t,
+                                                             amax_is_own=True)[0])
+
+
 # ----------------------------------------------------------------------------------------------
 # The fused fp4.rht_quantize op the weight-gradient operands use
 # ----------------------------------------------------------------------------------------------
@@ -1055,3 +1082,21 @@ def test_kernels_compile_for_hopper_with_whole_blocks_per_thread():
     assert set(per_element) == set(bounds), out.stdout
     for name, bound in bounds.items():
         assert per_element[name] <= bound, (name, per_element[name], out.stdout)
+
+
+def test_kernels_compile_for_the_a100():
+    """GPUs before sm_89 have no fp32 -> E4M3 conversion and Triton refuses to emit one for them: every
+    kernel must still compile for sm_80 (block scales on the bits, ``_e4m3``), as it is launched there."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "kernel_sass.py"), "--arch", "80"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    names = {line.split()[0] for line in out.stdout.splitlines()[1:]}
+    assert names == {"rows_rne", "rht_rne", "rows_sr", "rht_sr", "rows_rne_fake", "rht_rne_fake", "dual_sr_fake",
+                     "wgrad_amax"}, out.stdout
