@@ -8,7 +8,7 @@ launch for the benchmark's 8192x8192 input, so the loads are vectorized as they 
 
     python benchmarks/kernel_sass.py                  # all kernels
     python benchmarks/kernel_sass.py --kernels rows_rne rht_sr --dump-dir sass/
-    python benchmarks/kernel_sass.py --arch 80        # the A100: block scales to E4M3 without fp8 hardware
+    python benchmarks/kernel_sass.py --arch 80 --extra  # the A100: block scales to E4M3 without fp8 hardware
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ QUANT_ARGS = {
 }
 
 
-def kernel_specs(tk, arch: int = 90):
+def kernel_specs(tk, arch: int = 90, extra: bool = False):
     """name -> (jit function, signature, constexprs, config key) for compute capability ``arch`` (the
-    hardware E4M3 conversion from sm_89 on, as ``triton_kernels._hw_e4m3`` chooses at launch)."""
+    hardware E4M3 conversion from sm_89 on, as ``triton_kernels._hw_e4m3`` chooses at launch). ``extra``:
+    also the 16x16 weight quantizer with swizzled scales, the own-amax fix-up pass and a device seed (the
+    other specialization that converts block scales)."""
     e4m3 = int(arch >= 89)
     rows = dict(QUANT_ARGS, TILE_ROWS="constexpr", SR="constexpr", SWIZZLE="constexpr", FAKE="constexpr",
                 PASS="constexpr", MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr", K_FIRST="constexpr",
@@ -82,6 +84,11 @@ def kernel_specs(tk, arch: int = 90):
         SR=1, MIX=0, SR_T=1, MIX_T=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], K_FIRST=k_first("dual_quantize"),
         E4M3=e4m3),
         "dual_quantize")
+    if extra:
+        cfg = tk.CONFIGS["quantize_tiles"]
+        specs["tiles16_sr"] = (tk._quantize_rows_kernel, rows, dict(
+            TILE_ROWS=16, SR=1, SWIZZLE=1, FAKE=0, PASS=2, MIX=1, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+            K_FIRST=k_first("quantize_tiles"), ITERS=1, E4M3=e4m3), "quantize_tiles")
     cfg = tk.CONFIGS["rht_amax"]
     specs["wgrad_amax"] = (tk._rht_amax_kernel, amax, dict(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=cfg["ITERS"], K_FIRST=k_first("rht_amax")), "rht_amax")
@@ -132,14 +139,16 @@ def measure(tk, name, spec, dump_dir=None, arch: int = 90) -> dict:
 
 def main(argv=None) -> int:
     tk = _load_kernels()
-    names = list(kernel_specs(tk))
+    names = list(kernel_specs(tk, extra=True))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kernels", nargs="+", choices=sorted(names), default=names)
+    parser.add_argument("--kernels", nargs="+", choices=sorted(names), help="default: all (tiles16_sr with --extra)")
     parser.add_argument("--dump-dir", help="also write each kernel's disassembly here")
+    parser.add_argument("--extra", action="store_true", help="also the 16x16 weight quantizer (tiles16_sr)")
     parser.add_argument("--arch", type=int, default=90,
                         help="compute capability to compile for, as 10*major+minor (default 90: Hopper; 80: A100)")
     args = parser.parse_args(argv)
-    specs = kernel_specs(tk, args.arch)
+    specs = kernel_specs(tk, args.arch, args.extra or "tiles16_sr" in (args.kernels or ()))
+    args.kernels = args.kernels or list(specs)
     print(f"{'kernel':12s} {'instructions':>12s} {'registers':>9s} {'elems/thread':>12s} {'per element':>11s}")
     for name in args.kernels:
         r = measure(tk, name, specs[name], args.dump_dir, args.arch)

@@ -1259,8 +1259,12 @@ def _hw_e4m3(device: torch.device) -> bool:
     return device.type == "cuda" and _capability(device.index) >= (8, 9)
 
 
-@functools.lru_cache(maxsize=None)
 def _capability(index: Optional[int]) -> tuple[int, int]:
+    return _capability_of(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 

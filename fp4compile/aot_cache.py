@@ -165,8 +165,9 @@ class Record:
     """What the passes of one compilation logged, kept beside its cache entry: per stage ("forward",
     "backward"), the GEMMs kept in high precision for a reason (``CompileContext.fallback``).
 
-    Stored as JSON under Inductor's cache directory, named by the key, the dynamo graph's code, the
-    example inputs and the grad and autocast modes (as AOTAutograd's entry is)."""
+    Stored as JSON under Inductor's cache directory, named by the key, the dynamo graph's code, its
+    example inputs (dynamo's example values: sizes as symbolic as the graph's) and the grad and
+    autocast modes, as AOTAutograd's entry is."""
 
     def __init__(self, key: str, code: str, example_inputs=()):
         state = json.dumps([key, code, inputs_text(example_inputs), runtime_state()], default=str)

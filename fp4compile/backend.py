@@ -243,7 +243,7 @@ def _compile_inductor(gm, example_inputs, aot_passes, config_patches, ctx: Compi
 
     record = original = None
     if cache_key is not None:
-        record = aot_cache.Record(cache_key, gm.code, example_inputs)
+        record = aot_cache.Record(cache_key, gm.code, _example_values(gm, example_inputs))
         original = clone_dynamo_module(gm)
         config_patches = aot_cache.config_patches(cache_key, config_patches)
     stages = []
@@ -266,6 +266,18 @@ def _compile_inductor(gm, example_inputs, aot_passes, config_patches, ctx: Compi
     return compiled
 
 
+def _example_values(gm: fx.GraphModule, example_inputs) -> list:
+    """Dynamo's example values of ``gm``'s inputs (fake tensors, symbolic sizes as dynamo traced them), or
+    ``example_inputs`` where a placeholder lacks one or does not match the input's kind."""
+    values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(values) == len(example_inputs) and all(
+        v is not None and isinstance(v, torch.Tensor) == isinstance(t, torch.Tensor)
+        for v, t in zip(values, example_inputs)
+    ):
+        return values
+    return list(example_inputs)
+
+
 def _served_from_cache(ctx: CompileContext, record, original, example_inputs, config_patches) -> None:
     """After an AOTAutograd cache hit: log what the passes logged when the entry was made, and let the
     report rebuild the forward and backward graphs when read (at once where the record is missing)."""
@@ -273,11 +285,7 @@ def _served_from_cache(ctx: CompileContext, record, original, example_inputs, co
     state = aot_cache.runtime_state()
     # The rebuild traces dynamo's own example values (fake tensors) rather than the inputs of the call,
     # which it would otherwise keep alive until the report is read.
-    placeholders = [n for n in original.graph.nodes if n.op == "placeholder"]
-    fakes = [n.meta.get("example_value") for n in placeholders]
-    inputs = fakes if len(fakes) == len(example_inputs) and all(
-        isinstance(f, torch.Tensor) == isinstance(t, torch.Tensor) for f, t in zip(fakes, example_inputs)
-    ) else list(example_inputs)
+    inputs = _example_values(original, example_inputs)
     del example_inputs
 
     def rebuild():

@@ -340,9 +340,9 @@ def test_e2m1_sr_at_each_elements_draw(decoded):
         assert_same_quantization(*out, ref)
 
 
-def test_e4m3_scale_rounding():
-    """Block maxima whose scale 6 * bamax * fp32(1/6) lands on E4M3 values, their midpoints (ties to
-    even), next to them, in the subnormal range and above 448; global scale 1 (amax = inf)."""
+def e4m3_sweep() -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, amax): blocks whose maxima put the scale 6 * bamax * fp32(1/6) on every E4M3 value, their
+    midpoints (ties to even), next to them, in the subnormal range and above 448; global scale 1."""
     f32 = np.float32
     one_sixth = f32(1.0 / 6.0)
     e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
@@ -356,8 +356,11 @@ def test_e4m3_scale_rounding():
             b = np.nextafter(b, f32(np.inf) if f32(b * one_sixth) < t else f32(0))
         bamax += [b, np.nextafter(b, f32(0)), np.nextafter(b, f32(np.inf))]
     bamax = torch.tensor(np.array(bamax, dtype=f32))
-    x = bamax[:, None] * torch.linspace(-1.0, 1.0, 16)[None, :]
-    amax = torch.tensor(float("inf"))
+    return bamax[:, None] * torch.linspace(-1.0, 1.0, 16)[None, :], torch.tensor(float("inf"))
+
+
+def test_e4m3_scale_rounding():
+    x, amax = e4m3_sweep()
     out = tk.quantize_1x16(x.to(DEVICE), amax=amax.to(DEVICE))
     assert_same_quantization(*out, formats.quantize(x, amax=amax))
 
@@ -584,8 +587,24 @@ def test_gpu_block_scales_without_fp8_hardware(monkeypatch, rounding):
     the bits (``_e4m3``) instead of by the hardware, the same bits as the reference, special values
     included, in every kernel that converts scales."""
     monkeypatch.setattr(tk, "_hw_e4m3", lambda device: False)
+    flags = []
+    launch = tk._launch
+
+    def watch(kernel, grid, *args, **kwargs):
+        if "E4M3" in kwargs:
+            flags.append(kwargs["E4M3"])
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(tk, "_launch", watch)
+    sweep, inf = e4m3_sweep()  # every E4M3 scale code, midpoints and neighbours
+    out = tk.quantize_1x16(sweep.cuda(), amax=inf.cuda())
+    assert_same_quantization(*out, formats.quantize(sweep, amax=inf))
+    # Zero blocks, -0, E2M1 ties, subnormal inputs and tiny blocks next to ordinary ones (not the bf16-max
+    # row, which would leave every other block with a zero scale): many scale codes, subnormal ones too.
     x = sample((512, 1024), torch.bfloat16, seed=23, spread=4.0)
-    x[:64, :64] = special_values(torch.bfloat16)  # E4M3 subnormal scales, zero blocks, ties
+    x[:4, :64] = special_values(torch.bfloat16)[:4]
+    codes = formats.quantize(x).scales.view(torch.uint8)
+    assert codes.unique().numel() > 50 and ((codes > 0) & (codes < 8)).any()
     seed = 0x5EED
     assert_same_quantization(*tk.quantize_1x16(x.cuda(), rounding, seed=seed),
                              formats.quantize(x, rounding=rounding, seed=seed))
@@ -601,6 +620,7 @@ def test_gpu_block_scales_without_fp8_hardware(monkeypatch, rounding):
     assert_same_float(dual, tk.fake_quantize_1x16(x.cuda(), rounding, seed=seed, amax=amax, amax_is_own=True)[0])
     assert_same_float(dual_t, tk.fake_quantize_wgrad_operand(x.cuda(), "sr", seed=seed + 1, amax=amax_t,
                                                              amax_is_own=True)[0])
+    assert flags and not any(flags)  # every quantizer launch took the bit-level path
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1086,17 +1106,18 @@ def test_kernels_compile_for_hopper_with_whole_blocks_per_thread():
 
 def test_kernels_compile_for_the_a100():
     """GPUs before sm_89 have no fp32 -> E4M3 conversion and Triton refuses to emit one for them: every
-    kernel must still compile for sm_80 (block scales on the bits, ``_e4m3``), as it is launched there."""
+    kernel specialization that converts block scales (and the others kernel_sass.py builds) must still
+    compile for sm_80 (block scales on the bits, ``_e4m3``), as it is launched there."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks", "kernel_sass.py"), "--arch", "80"],
+        [sys.executable, os.path.join(root, "benchmarks", "kernel_sass.py"), "--arch", "80", "--extra"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     names = {line.split()[0] for line in out.stdout.splitlines()[1:]}
     assert names == {"rows_rne", "rht_rne", "rows_sr", "rht_sr", "rows_rne_fake", "rht_rne_fake", "dual_sr_fake",
-                     "wgrad_amax"}, out.stdout
+                     "tiles16_sr", "wgrad_amax"}, out.stdout
