@@ -359,6 +359,31 @@ def e4m3_sweep() -> tuple[torch.Tensor, torch.Tensor]:
     return bamax[:, None] * torch.linspace(-1.0, 1.0, 16)[None, :], torch.tensor(float("inf"))
 
 
+def test_every_scale_converting_launch_says_whether_the_gpu_converts_e4m3(monkeypatch):
+    """The kernels default to the bit-level scale conversion; a launch that forgot the E4M3 argument
+    would lose the hardware conversion on sm_89 and later without a trace (the bits are the same)."""
+    launches = []
+    launch = tk._launch
+
+    def watch(kernel, grid, *args, **kwargs):
+        launches.append((kernel, kwargs))
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(tk, "_launch", watch)
+    x = sample((32, 64), torch.bfloat16, seed=3).to(DEVICE)
+    for rounding in ("rne", "sr"):
+        tk.quantize_1x16(x, rounding, seed=1)
+        tk.quantize_16x16(x, rounding, seed=1)
+        tk.quantize_wgrad_operand(x, rounding, seed=1)
+        tk.fake_quantize_1x16(x, rounding, seed=1)
+        tk.fake_quantize_wgrad_operand(x, rounding, seed=1)
+    amax, amax_t = tk.wgrad_amax(x)
+    tk.fake_quantize_dual(x, "sr", 1, amax, "sr", 2, amax_t)
+    converting = (tk._quantize_rows_kernel, tk._rht_quantize_kernel, tk._dual_quantize_kernel)
+    seen = [kwargs for kernel, kwargs in launches if kernel in converting]
+    assert len(seen) >= 11 and all(kwargs.get("E4M3") is tk._hw_e4m3(x.device) for kwargs in seen)
+
+
 def test_e4m3_scale_rounding():
     x, amax = e4m3_sweep()
     out = tk.quantize_1x16(x.to(DEVICE), amax=amax.to(DEVICE))
