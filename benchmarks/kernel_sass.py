@@ -1,4 +1,4 @@
-"""Machine code of the NVFP4 Triton kernels for sm_90 (Hopper), built without a GPU: instructions per element.
+"""Machine code of the NVFP4 Triton kernels for sm_90 (Hopper) or another --arch, built without a device.
 
 Compiles each kernel at its default launch configuration (``triton_kernels.CONFIGS``) for compute
 capability 9.0 (``--arch``: another one, e.g. 80 for the A100) with ``triton.compile`` (no device needed), disassembles it with the ``cuobjdump`` that

@@ -18,7 +18,7 @@ passes record, are rebuilt when the report is first read (``CompileContext.resto
 
 ``FP4COMPILE_AOT_CACHE=0`` keeps fp4compile's graphs out of the cache (each start traces and rewrites
 them again; Inductor's FX graph cache still serves the compiled kernels). Graphs are also kept out
-while the passes print their graphs (``print_ir_after``, ``FP4COMPILE_PRINT_IR_AFTER``): a hit would
+while ``print_ir_after`` or ``FP4COMPILE_PRINT_IR_AFTER`` names a forward/backward pass: a hit would
 print nothing; and on GPUs that run CUTLASS kernels (Blackwell), where whether a GEMM gets one depends
 on its build succeeding on that machine.
 """
