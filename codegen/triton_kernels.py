@@ -1256,15 +1256,13 @@ def _hw_e4m3(device: torch.device) -> bool:
     """Whether the kernels convert block scales to E4M3 in hardware on ``device``: a CUDA GPU of sm_89
     or later (Ada, Hopper, Blackwell). Older GPUs (sm_80/86: A100, A10, RTX 30) have no such conversion,
     and Triton refuses it there; they take the bit-level path, which gives the same bits."""
-    return device.type == "cuda" and _capability(device.index) >= (8, 9)
-
-
-def _capability(index: Optional[int]) -> tuple[int, int]:
-    return _capability_of(torch.cuda.current_device() if index is None else index)
+    if device.type != "cuda":
+        return False
+    return _capability(torch.cuda.current_device() if device.index is None else device.index) >= (8, 9)
 
 
 @functools.lru_cache(maxsize=None)
-def _capability_of(index: int) -> tuple[int, int]:
+def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
@@ -1439,13 +1437,14 @@ def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake, amax
     seed_args = _seed_args(rounding, seed, x2, bd)
     iters = cfg.get("ITERS", 1)
     grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"] * iters))
+    e4m3 = _hw_e4m3(x2.device)
 
     def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
         _launch(
             _quantize_rows_kernel, grid,
             x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             TILE_ROWS=tile_rows, SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=iters, E4M3=_hw_e4m3(x2.device), **order,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=iters, E4M3=e4m3, **order,
             **_launch_options(cfg),
         )
 
@@ -1466,13 +1465,14 @@ def _quantize_wgrad(x, rounding, seed, amax, swizzle, fake, amax_is_own=False):
     data, scales, bd = _output_buffers(k, m, swizzle, fake, x2.device)
     seed_args = _seed_args(rounding, seed, x2, bd)
     grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
+    e4m3 = _hw_e4m3(x2.device)
 
     def launch(amax_ptr, own_ptr, out_amax_ptr, pass_):
         _launch(
             _rht_quantize_kernel, grid,
             x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], E4M3=_hw_e4m3(x2.device), **order, **_launch_options(cfg),
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], E4M3=e4m3, **order, **_launch_options(cfg),
         )
 
     amax_used = _quantize_passes(launch, lambda: _rht_amax_bits(x2)[1], amax, x2.device, amax_is_own)

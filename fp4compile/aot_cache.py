@@ -173,6 +173,7 @@ class Record:
         state = json.dumps([key, code, inputs_text(example_inputs), runtime_state()], default=str)
         name = hashlib.sha256(state.encode()).hexdigest()[:40]
         self.path = Path(_cache_dir()) / "fp4compile_aot" / f"{name}.json"
+        self._stages: dict = {}  # what this compilation's passes logged so far, by stage
 
     def load(self) -> Optional[dict]:
         try:
@@ -182,8 +183,8 @@ class Record:
         return data if isinstance(data, dict) else None
 
     def save(self, stage: str, fallbacks: list) -> None:
-        data = self.load() or {}
-        data[stage] = list(fallbacks)
+        self._stages[stage] = list(fallbacks)
+        data = self._stages
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")

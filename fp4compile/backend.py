@@ -241,9 +241,10 @@ def _compile_inductor(gm, example_inputs, aot_passes, config_patches, ctx: Compi
 
     from torch._dynamo.utils import counters
 
-    record = original = None
+    record = original = values = None
     if cache_key is not None:
-        record = aot_cache.Record(cache_key, gm.code, _example_values(gm, example_inputs))
+        values = _example_values(gm, example_inputs)
+        record = aot_cache.Record(cache_key, gm.code, values)
         original = clone_dynamo_module(gm)
         config_patches = aot_cache.config_patches(cache_key, config_patches)
     stages = []
@@ -262,7 +263,7 @@ def _compile_inductor(gm, example_inputs, aot_passes, config_patches, ctx: Compi
     compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
     served = counters["aot_autograd"]["autograd_cache_hit"] > hits
     if record is not None and served and not stages:  # AOTAutograd's cache served the graphs: no pass ran
-        _served_from_cache(ctx, record, original, example_inputs, config_patches)
+        _served_from_cache(ctx, record, original, values, config_patches)
     return compiled
 
 
@@ -278,15 +279,13 @@ def _example_values(gm: fx.GraphModule, example_inputs) -> list:
     return list(example_inputs)
 
 
-def _served_from_cache(ctx: CompileContext, record, original, example_inputs, config_patches) -> None:
+def _served_from_cache(ctx: CompileContext, record, original, inputs, config_patches) -> None:
     """After an AOTAutograd cache hit: log what the passes logged when the entry was made, and let the
-    report rebuild the forward and backward graphs when read (at once where the record is missing)."""
+    report rebuild the forward and backward graphs when read (at once where the record is missing).
+    ``inputs``: ``_example_values`` of the graph, which the rebuild traces (dynamo's fake tensors, not the
+    call's inputs, which it would otherwise keep alive until the report is read)."""
     tracing_context = torch._guards.TracingContext.try_get()
     state = aot_cache.runtime_state()
-    # The rebuild traces dynamo's own example values (fake tensors) rather than the inputs of the call,
-    # which it would otherwise keep alive until the report is read.
-    inputs = _example_values(original, example_inputs)
-    del example_inputs
 
     def rebuild():
         import contextlib
@@ -302,8 +301,9 @@ def _served_from_cache(ctx: CompileContext, record, original, example_inputs, co
         cache_off = torch._functorch.config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True)
         with contextlib.ExitStack() as modes:  # the grad mode and autocast the graph was compiled under
             modes.enter_context(torch.set_grad_enabled(state["grad"]))
+            now = aot_cache.runtime_state()["autocast"]
             for device, dtype in state["autocast"].items():
-                if aot_cache.runtime_state()["autocast"][device] != dtype:
+                if now[device] != dtype:
                     modes.enter_context(torch.autocast(device, dtype=dtype, enabled=dtype is not None))
             modes.enter_context(torch._guards.tracing(tracing_context))
             modes.enter_context(cache_off)
