@@ -5,7 +5,7 @@
 """
 
 from . import formats, ops, runtime
-from .backend import Backend, get_backend, nvfp4_backend
+from .backend import Backend, PlanWarning, get_backend, nvfp4_backend
 from .explain import explain
 from .passes.pipeline import precision_pass, print_pipeline
 from .recipe import Recipe
@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "PlanWarning",
     "GemmSite",
     "Recipe",
     "Report",

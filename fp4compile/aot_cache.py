@@ -118,7 +118,7 @@ def digest(ctx, example_inputs, grad_buffers=()) -> str:
         "graph": ctx.graph_id,
         "sites": [repr(s) for s in ctx.sites],
         "blocks": [ctx.n_blocks, list(ctx.block_names)],
-        "model_sites": ctx.model_site_names,
+        "model": None if ctx.model is None else [ctx.model.gemm_weights, sorted(ctx.parameter_names.items())],
         "grad_buffers": list(grad_buffers),
         "sharded_amax": distributed.cache_state(ctx.sharded_amax),
         "env": sorted(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
+import warnings
 import weakref
 from typing import Optional, Sequence
 
@@ -26,14 +26,20 @@ import torch.fx as fx
 
 from fp4compile import aot_cache, compile_gc, grad_buffers, runtime
 from fp4compile.passes import pipeline
-from fp4compile.passes.find_gemm_sites import (
-    LINEAR_TARGETS, MATMUL_TARGETS, _source_name, module_path, parameter_name,
-)
+from fp4compile.model_structure import ModelStructure, find_root
+from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, module_path, parameter_name, regions
+from fp4compile.passes.assign_precision import SWITCHED
+from fp4compile.passes.find_blocks import block_paths
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.report import Report
 from fp4compile.sites import CompileContext, clone_dynamo_module, example_tensor
 
 log = logging.getLogger("fp4compile")
+
+
+class PlanWarning(UserWarning):
+    """The compiler cannot apply the recipe as asked to a part of the model (the message says which
+    part and why); given once per backend, and listed in ``Backend.report.warnings``."""
 
 INNER_COMPILERS = ("inductor", "eager")
 CHECK_FINITE_ENV = "FP4COMPILE_CHECK_FINITE"
@@ -55,6 +61,11 @@ class Backend:
     returned beside the loss) a buffer for its gradient, so that an unused gradient reaches the recorded
     backward graph without a copy (``fp4compile.grad_buffers``). None (default): where the graphs are
     recorded in CUDA graphs.
+    model: the root model, where blocks are compiled one by one (``model.layers[i] = torch.compile(block,
+    backend=backend)``): GEMM sites are named by their weight's path in it and numbered among all of its
+    blocks. Compiling the whole model (``torch.compile(model)``, ``model.compile()``) needs nothing here,
+    and a block compiled on its own is placed in the module whose ``forward`` calls it; without either,
+    a compiled module with no repeated blocks of its own gets a warning saying so.
     The backend keeps a ``report`` of its compilations (sites, precisions, kernels, graphs).
     ``FP4COMPILE_CHECK_FINITE=1`` in the environment (read here) turns on ``Recipe.check_finite``.
     """
@@ -67,6 +78,7 @@ class Backend:
         print_ir_after=None,
         mode: Optional[str] = None,
         unused_grad_buffers: Optional[bool] = None,
+        model: Optional[torch.nn.Module] = None,
         **recipe_fields,
     ):
         if inner not in INNER_COMPILERS:
@@ -85,6 +97,12 @@ class Backend:
         self.inner = inner
         self.print_ir_after = print_ir_after
         self.unused_grad_buffers = unused_grad_buffers
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Backend(model=...) takes the root nn.Module, got {type(model).__name__}")
+        self.model = model
+        self._structures: dict[int, ModelStructure] = {}  # id(root) -> its structure (weakly held)
+        self._warned: set[str] = set()
+        self._round: set = set()  # graphs run since the SR stream last advanced (``_advance_for``)
         self.report = Report(self.recipe)
         self._step = 0
         self._forced_high_precision = False
@@ -124,6 +142,16 @@ class Backend:
         self._forced_high_precision = bool(state["forced_high_precision"])
         runtime.set_rng_state(state["sr"])
 
+    def _advance_for(self, graph) -> None:
+        """Advance the stochastic-rounding stream once per pass over the model's compiled graphs with FP4
+        GEMMs: when such a graph runs again (the next step, or the next micro-batch), not at each graph of one pass. So a
+        model compiled whole, block by block or split by graph breaks draws the same bits (every site's
+        quantizers mix in a constant of their own), and each pass draws fresh ones."""
+        if not self._round or graph in self._round:
+            runtime.advance()
+            self._round = set()
+        self._round.add(graph)
+
     # -- compilation ---------------------------------------------------------------------------
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
@@ -132,20 +160,53 @@ class Backend:
         precompile.prepare()  # start the kernel compile workers while the graph is traced and rewritten
         check_gemm_dtypes(gm)
         original = clone_dynamo_module(gm)
-        scope = _ModelScope.find(gm, example_inputs)
+        scope = _ModelScope.find(gm, example_inputs, self)
         return _SwitchableGraph(self, original, example_inputs, scope)
 
+    def _structure(self, params: list) -> Optional[ModelStructure]:
+        """The structure of the root model holding ``params``: ``Backend(model=...)``, else found from the
+        modules on the call stack (``model_structure.find_root``); None where neither holds them."""
+        root = None
+        if self.model is not None:
+            if ModelStructure(self.model).holds(params):
+                root = self.model
+            else:
+                self._warn(
+                    f"Backend(model={type(self.model).__name__}) does not hold the parameters of a compiled graph; "
+                    "naming its GEMMs from the module that is compiled instead"
+                )
+        if root is None:
+            root = find_root(params, _in_a_block)
+        if root is None:
+            return None
+        structure = self._structures.get(id(root))
+        if structure is None or structure.root() is not root:
+            structure = self._structures[id(root)] = ModelStructure(root)
+        return structure
+
+    def _warn(self, message: str, key: Optional[str] = None) -> None:
+        """Warn once per backend and ``key`` (``PlanWarning``) and keep the line for the report."""
+        key = key or message
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        self.report.warnings.append(message)
+        warnings.warn(f"fp4compile: {message}", PlanWarning, stacklevel=2)
+
     def _compile(
-        self, gm: fx.GraphModule, example_inputs, graph_id: int, high_precision: bool = False, model_site_names=None
+        self, gm: fx.GraphModule, example_inputs, graph_id: int, high_precision: bool = False, model=None,
+        parameter_names=None,
     ):
         config = self._inductor_config(graph_id) if self.inner == "inductor" else {}
         recipe = self._effective_recipe(config)
-        ctx = CompileContext(recipe, graph_id, model_site_names or None)
+        ctx = CompileContext(recipe, graph_id, model, parameter_names)
         if high_precision:
             user_passes = [_all_high_precision]
         else:
             user_passes = self.passes
         gm = pipeline.run_passes(gm, ctx, pipeline.dynamo_pipeline(user_passes), "dynamo", self.print_ir_after)
+        for key, message in ctx.warnings:
+            self._warn(message, key)
         self.report.add_context(ctx)
         buffer_plan = self._grad_buffer_plan(gm, config, graph_id)
         ctx.grad_buffers = list(buffer_plan.names) if buffer_plan is not None else []
@@ -222,9 +283,17 @@ class Backend:
         return self._effective_recipe(self._inductor_config(0, quiet=True))
 
 
+def _in_a_block(model: torch.nn.Module, path: str) -> bool:
+    """Whether the module at ``path`` of ``model`` is one of its blocks or inside one (``find_blocks``'s
+    rules on the model's structure, every list taken as a stack)."""
+    structure = ModelStructure(model)
+    blocks = block_paths(structure.gemm_weights, None, structure.classes) if structure.gemm_weights else []
+    return any(path == b or path.startswith(b + ".") for b in blocks)
+
+
 def _all_high_precision(gm, ctx):
     for site in ctx.sites:
-        site.set_precision(HIGH, "switched to high precision")
+        site.set_precision(HIGH, SWITCHED)
     return gm
 
 
@@ -345,8 +414,9 @@ def _compile_eager(gm, example_inputs, aot_passes):
 class _SwitchableGraph:
     """The callable dynamo runs: the FP4 compilation, or after the switch the high-precision one.
 
-    Each training call (grad enabled) advances the stochastic-rounding stream, so every step's
-    backward draws fresh bits and a rerun from the same state draws the same ones. Compilations are
+    Each pass over the model's graphs with gradients enabled advances the stochastic-rounding stream
+    (``Backend._advance_for``), so every step's backward draws fresh bits and a rerun from the same state
+    draws the same ones. Compilations are
     cached by (model scope, high precision): the switch to high precision recompiles each graph once,
     and a frame compiled inside the model compiles once per block instance that runs it.
     """
@@ -364,114 +434,106 @@ class _SwitchableGraph:
             runtime.device_base(device)
         self.compiled: dict = {}
         self.graph_ids: dict[str, int] = {}  # one graph id per block instance; recompiles keep it
+        # Whether each instance quantizes anything: graphs without FP4 GEMMs draw no SR bits and do not
+        # mark the passes over the model (a frame of the model's loop runs once per block).
+        self.rounds: dict[str, bool] = {}
         prefix = scope.prefix if scope is not None else ""
-        self._compiled(prefix, False)
+        self._compiled(prefix, False, example_inputs)
 
-    def _compiled(self, prefix: str, high_precision: bool):
+    def _compiled(self, prefix: str, high_precision: bool, args):
         key = (prefix, high_precision)
         if key not in self.compiled:
             if prefix not in self.graph_ids:
                 self.graph_ids[prefix] = next(self.backend._graph_ids)
             graph_id = self.graph_ids[prefix]
             gm = clone_dynamo_module(self.original)  # shares the parameters
-            names = None
+            model, names = None, None
             if self.scope is not None:
                 self.scope.rebase(gm, prefix)
-                names = self.scope.model_site_names()
+                model, names = self.scope.structure, self.scope.parameter_names(gm, args)
             if high_precision:
                 log.info("fp4compile: graph %d: recompiling in high precision", graph_id)
             with torch._guards.tracing(self.tracing_context), compile_gc.relaxed():
-                self.compiled[key] = self.backend._compile(gm, self.example_inputs, graph_id, high_precision, names)
+                self.compiled[key] = self.backend._compile(
+                    gm, self.example_inputs, graph_id, high_precision, model, names
+                )
+            self.rounds[prefix] = any(s.is_low_precision for s in self.backend.report.contexts[-1].sites)
         return self.compiled[key]
 
     def __call__(self, *args):
-        if torch.is_grad_enabled():
-            runtime.advance()
-        runtime.set_backend_step(self.backend._step)
         prefix = self.scope.prefix_of(args) if self.scope is not None else ""
-        return self._compiled(prefix, self.backend.high_precision)(*args)
+        if torch.is_grad_enabled() and self.rounds.get(prefix, True):
+            self.backend._advance_for((id(self), prefix))
+        runtime.set_backend_step(self.backend._step)
+        return self._compiled(prefix, self.backend.high_precision, args)(*args)
 
 
 class _ModelScope:
-    """Where a compiled frame sits in the model, for frames dynamo compiles inside the model.
+    """Where a compiled graph sits in its root model (``model_structure``).
 
-    A graph break inside a block (under the model's loop over its blocks) makes dynamo run the model's
-    forward eagerly and compile each block's ``forward`` as a frame of its own; that frame's module
-    paths start at the block (``mlp.fc``), and dynamo reuses its compiled code for every block of the
-    same class. The scope finds the compiled model on the Python stack (the module under
-    ``torch.compile``, or the outermost module holding the frame's parameters), so that sites are named
-    by their full path (``blocks.3.mlp.fc``) and numbered among all of the model's blocks, and it tells
-    from the parameters a call receives which block instance runs, so that each instance gets its own
-    precision plan and SR seeds. Frames of the compiled model itself have no scope.
+    The graph's parameters are named by their identity in the root model, however the graph reaches
+    them. A frame compiled inside the model (a block compiled on its own, or a block's ``forward`` that a
+    graph break makes dynamo compile separately) has module paths that start at the block (``mlp.fc``),
+    and dynamo reuses its compiled code for every block of the same class: the scope tells from the
+    parameters a call receives which block instance runs (its ``prefix``, ``blocks.3.``), so that each
+    instance gets its own precision plan and SR streams, and rewrites the module paths of the graph's
+    metadata to start at the root.
     """
 
-    def __init__(self, root: torch.nn.Module, params: list):
-        self.root = weakref.ref(root)
-        self.params = params  # [(argument position, path relative to the frame's module)]
+    def __init__(self, structure: ModelStructure, params: list):
+        self.structure = structure
+        self.params = params  # [(argument position, placeholder name, path relative to the frame's module)]
         self.prefix = ""  # the instance that was compiled first
-        self._names: dict[int, str] = {}
         self._prefixes: dict[int, tuple] = {}  # id(parameter) -> (weakref to it, prefix)
-        self._index_root()
 
     @classmethod
-    def find(cls, gm: fx.GraphModule, example_inputs) -> Optional["_ModelScope"]:
+    def find(cls, gm: fx.GraphModule, example_inputs, backend: "Backend") -> Optional["_ModelScope"]:
         params = []
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for position, (node, value) in enumerate(zip(placeholders, example_inputs)):
-            name = parameter_name(node, gm) if isinstance(value, torch.nn.Parameter) else None
-            if name is not None and _source_name(node.meta["grapharg"]).startswith("L["):  # reached from the frame's locals
-                params.append((position, name, value))
+            if isinstance(value, torch.nn.Parameter):
+                params.append((position, node.name, parameter_name(node, gm) or "", value))
         if not params:
             return None
-        root = _compiled_model({id(p) for _, _, p in params})
-        if root is None:
+        structure = backend._structure([p for *_, p in params])
+        if structure is None:
             return None
-        scope = cls(root, [(position, name) for position, name, _ in params])
-        position, name, _ = params[0]
-        prefix = scope._prefix(id(example_inputs[position]), name)
-        if not prefix:
-            return None
-        scope.prefix = prefix
+        scope = cls(structure, [(position, name, relative) for position, name, relative, _ in params])
+        scope.prefix = scope._prefix(example_inputs[params[0][0]], params[0][2]) or ""
         return scope
 
-    def _index_root(self) -> None:
-        root = self.root()
-        self._names, self._prefixes = {}, {}
-        if root is not None:
-            for name, p in root.named_parameters(remove_duplicate=False):
-                self._names.setdefault(id(p), name)
-
-    def _prefix(self, param_id: int, relative: str) -> Optional[str]:
-        full = self._names.get(param_id)
+    def _prefix(self, param, relative: str) -> Optional[str]:
+        full = self.structure.name_of(param)
         if full is None or not (full == relative or full.endswith("." + relative)):
             return None
         return full[: len(full) - len(relative)]
 
     def prefix_of(self, args) -> str:
         """The module path prefix (``blocks.3.``) of the block instance whose parameters ``args`` holds."""
-        position, relative = self.params[0]
+        position, _, relative = self.params[0]
         param = args[position]
         cached = self._prefixes.get(id(param))
         if cached is not None and cached[0]() is param:
             return cached[1]
-        prefix = self._prefix(id(param), relative)
-        if prefix is None:
-            self._index_root()  # parameters replaced since (e.g. a module swapped in)
-            prefix = self._prefix(id(param), relative)
+        prefix = self._prefix(param, relative)
         prefix = self.prefix if prefix is None else prefix
         self._prefixes[id(param)] = (weakref.ref(param), prefix)
         return prefix
 
-    def model_site_names(self) -> list[str]:
-        """Module paths of the compiled model's linear layers: the sites ``find_blocks`` numbers blocks by."""
-        root = self.root()
-        if root is None:
-            return []
-        return [name for name, m in root.named_modules() if isinstance(m, torch.nn.Linear)]
+    def parameter_names(self, gm: fx.GraphModule, args) -> dict[str, tuple]:
+        """{placeholder name: the parameter's qualified names in the root} for the instance ``args`` holds."""
+        names = {}
+        for position, placeholder, _ in self.params:
+            param = args[position]
+            if self.structure.name_of(param) is not None:  # indexes the root again if it changed
+                names[placeholder] = tuple(self.structure.names[id(param)])
+        return names
 
     def rebase(self, gm: fx.GraphModule, prefix: str) -> None:
-        """Make the module paths of ``gm`` (a clone) start at the compiled model: ``prefix`` + path."""
-        root = self.root()
+        """Make the module paths of ``gm`` (a clone) start at the root model: ``prefix`` + path."""
+        if not prefix:
+            return
+        root = self.structure.root()
         parts = prefix.rstrip(".").split(".")
         ancestors = {}
         qualified = "L['self']"
@@ -480,38 +542,16 @@ class _ModelScope:
             qualified += f"._modules['{part}']"
             module = module.get_submodule(part) if module is not None else None
             ancestors[f"fp4_scope_{i}"] = (qualified, type(module) if module is not None else torch.nn.Module)
-        for node in gm.graph.nodes:
-            stack = node.meta.get("nn_module_stack")
-            if not stack:
-                continue
-            rebased = dict(ancestors)
-            for key, (path, cls) in stack.items():
-                relative = module_path(path)
-                rebased[key] = (qualified + "".join(f"._modules['{p}']" for p in relative.split(".") if p), cls)
-            node.meta["nn_module_stack"] = rebased
-
-
-def _compiled_model(param_ids: set) -> Optional[torch.nn.Module]:
-    """The model being run, from the Python stack: the module given to ``torch.compile`` (inside an
-    ``OptimizedModule``), else the outermost module on the stack that holds every parameter."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    found = None
-    frame = sys._getframe(1)
-    seen = set()
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        frame = frame.f_back
-        if not isinstance(owner, torch.nn.Module) or id(owner) in seen:
-            continue
-        seen.add(id(owner))
-        compiled = isinstance(owner, OptimizedModule)
-        module = owner._orig_mod if compiled else owner
-        if param_ids <= {id(p) for p in module.parameters()}:
-            if compiled:
-                return module
-            found = module
-    return found
+        for graph in (gm, *(body for _, body in regions(gm))):
+            for node in graph.graph.nodes:
+                stack = node.meta.get("nn_module_stack")
+                if not stack:
+                    continue
+                rebased = dict(ancestors)
+                for key, (path, cls) in stack.items():
+                    relative = module_path(path)
+                    rebased[key] = (qualified + "".join(f"._modules['{p}']" for p in relative.split(".") if p), cls)
+                node.meta["nn_module_stack"] = rebased
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ class Recipe:
     high_precision_first_blocks / high_precision_last_blocks: blocks kept in high precision at each end;
         an int is a count, a float in (0, 1) a fraction of the blocks, None the recipe's proportions
         (first max(1, round(n*2/62)), last max(1, round(n*8/62)) of n blocks).
-    high_precision_modules: fnmatch patterns of module paths kept in high precision (lm_head, embeddings).
+    high_precision_modules: fnmatch patterns of site names kept in high precision (lm_head, embeddings).
+    high_precision_outside_blocks: keep every GEMM outside the model's repeated blocks in high precision
+        (the output layer whatever its name, a tied embedding head, projections before the first block).
     quantize_backward: False quantizes the forward (fprop) GEMMs only.
     seed: base of the stochastic-rounding stream.
     switch_to_high_precision_at: step (see ``Backend.step``) from which every GEMM runs in high
@@ -55,6 +57,7 @@ class Recipe:
     high_precision_first_blocks: BlockCount = None
     high_precision_last_blocks: BlockCount = None
     high_precision_modules: Sequence[str] = ("lm_head", "*.lm_head", "*embed*", "*wte", "*wpe")
+    high_precision_outside_blocks: bool = True
     quantize_backward: bool = True
     seed: int = 0
     switch_to_high_precision_at: Optional[int] = None

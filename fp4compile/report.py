@@ -83,6 +83,8 @@ class Report:
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
         self.contexts: list[CompileContext] = []
+        # What the compiler could not do as the recipe asks, one line per problem (``fp4compile.PlanWarning``).
+        self.warnings: list[str] = []
 
     def add_context(self, ctx: CompileContext) -> None:
         self.contexts.append(ctx)
@@ -160,6 +162,7 @@ class Report:
             rows.append((s.name, block, shape_text, *cells, s.kernel or "-", s.reason))
         lines = _columns(rows)
         lines += [f"fallback: {f}" for f in self.fallbacks]
+        lines += [f"warning: {w}" for w in self.warnings]
         lines += [f"kernel {name} ({n} GEMMs): {reason}" for (name, reason), n in sorted(self.kernels().items())]
         others = [o for ctx in self.latest for o in ctx.other_gemms]
         if others:

@@ -109,7 +109,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def advance() -> None:
-    """Called on every call of a compiled graph with gradients enabled, before its forward runs."""
+    """Called once per pass over a backend's compiled graphs with gradients enabled, before the first runs."""
     with _lock:
         _check_state_change()
         _state["step"] += 1

@@ -59,6 +59,11 @@ def clone_dynamo_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     without them every parameter is an input that each replay copies into the graph's own memory."""
     clone = torch.fx.GraphModule(gm, copy_graph(gm.graph))
     clone.meta.update(gm.meta)
+    # The graphs of regions (a checkpointed function) are copied too: the passes rewrite them in place.
+    for node in clone.graph.find_nodes(op="get_attr"):
+        value = getattr(clone, node.target, None)
+        if isinstance(value, torch.fx.GraphModule):
+            setattr(clone, node.target, clone_dynamo_module(value))
     if hasattr(gm, "_param_name_to_source"):
         clone._param_name_to_source = gm._param_name_to_source
     for old, new in zip(gm.graph.find_nodes(op="placeholder"), clone.graph.find_nodes(op="placeholder")):
@@ -111,6 +116,9 @@ class GemmSite:
     has_bias: bool
     node_name: str
     graph_id: int = 0
+    # The node of the graph's top level that computes it: a checkpointed region's node for a site inside
+    # that region (``node_name`` is then a node of the region's graph), None for a site at the top level.
+    region: Optional[str] = None
     block: Optional[int] = None
     block_name: Optional[str] = None
     precision: str = HIGH
@@ -123,6 +131,11 @@ class GemmSite:
             raise ValueError(f"{self.name}: precision must be 'nvfp4', 'mxfp4' or 'high', got {precision!r}")
         self.precision = precision
         self.reason = reason
+
+    @property
+    def graph_node(self) -> str:
+        """The node of the graph's top level that computes this site (itself, or its region)."""
+        return self.region or self.node_name
 
     @property
     def is_low_precision(self) -> bool:
@@ -204,11 +217,17 @@ class StageGraph:
 class CompileContext:
     """What the passes of one compiled graph share: the recipe, the GEMM sites and the log of changes."""
 
-    def __init__(self, recipe: Recipe, graph_id: int, model_site_names: Optional[list[str]] = None):
+    def __init__(self, recipe: Recipe, graph_id: int, model=None, parameter_names: Optional[dict] = None):
         self.recipe = recipe
         self.graph_id = graph_id
-        # Linear layers of the whole model when the graph is a frame inside it (see backend._ModelScope).
-        self.model_site_names = model_site_names
+        # The root model's names and structure (``model_structure.ModelStructure``), where the backend knows
+        # the model; ``parameter_names`` maps the graph's parameter placeholders to their names in it.
+        self.model = model
+        self.parameter_names: dict[str, str] = dict(parameter_names or {})
+        # What the compiler could not plan as the recipe asks: (key, line), one per problem (``check_plan``).
+        self.warnings: list[tuple[str, str]] = []
+        # Calls the passes cannot see into (``find_gemm_sites``): (node name, what, module path).
+        self.opaque: list[tuple] = []
         self.sites: list[GemmSite] = []
         self.n_blocks = 0
         self.block_names: list[str] = []

@@ -2,7 +2,8 @@
 
 Requires: ``find_gemm_sites`` and ``find_blocks``.
 Guarantees: every site has ``precision`` ("nvfp4"/"mxfp4" or "high") and a ``reason`` naming the rule:
-``high_precision_modules`` patterns, the first/last blocks of the recipe, or the default format.
+``high_precision_modules`` patterns, the first/last blocks of the recipe, a place outside the model's
+repeated blocks (``Recipe.high_precision_outside_blocks``), or the default format.
 User precision passes run after this one and may change any site (see ``Backend(passes=...)``).
 """
 
@@ -12,6 +13,9 @@ import torch.fx as fx
 
 from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext
+
+OUTSIDE_BLOCKS = "outside the repeated blocks"
+SWITCHED = "switched to high precision"  # the reason the backend's switch gives every site
 
 
 def assign_precision(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -25,6 +29,8 @@ def assign_precision(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             site.set_precision(HIGH, f"first {first} of {ctx.n_blocks} blocks")
         elif site.block is not None and site.block >= ctx.n_blocks - last:
             site.set_precision(HIGH, f"last {last} of {ctx.n_blocks} blocks")
+        elif site.block is None and recipe.high_precision_outside_blocks:
+            site.set_precision(HIGH, OUTSIDE_BLOCKS)
         else:
             site.set_precision(recipe.fmt, "recipe default")
     n_low = sum(s.is_low_precision for s in ctx.sites)

@@ -1,29 +1,36 @@
 """find_blocks: group GEMM sites into the model's blocks and order the blocks by data flow.
 
-Requires: ``find_gemm_sites`` (sites named by module path).
-Guarantees: ``site.block`` / ``site.block_name`` set for every site inside a block (None outside, e.g.
-lm_head), ``ctx.n_blocks`` and ``ctx.block_names`` in execution order.
+Requires: ``find_gemm_sites`` (sites named by their weight's path in the model).
+Guarantees: ``site.block`` / ``site.block_name`` set for every site inside a block (None outside: the
+output layer, projections before the first block), ``ctx.n_blocks`` and ``ctx.block_names`` in execution
+order.
 
-Blocks come from the module hierarchy and the data flow between GEMM sites:
+Blocks are the model's repeated units, found from the module hierarchy (of the whole root model where the
+backend knows it, so that a graph holding part of the model numbers its blocks among all of them) and
+the data flow between GEMM sites:
 
-- descend from the root through modules with a single child that holds GEMM sites;
+- descend from the root through modules with a single child that holds GEMM weights;
 - at the first module with several such children: if they are the members of a list (integer names, as
-  in an ``nn.ModuleList`` or ``nn.Sequential``), they are the blocks, whatever their classes (hybrid
-  stacks of Mamba, attention and MLP blocks);
-- otherwise (named children, such as ``encoder`` and ``decoder``, or blocks kept as separate attributes)
-  each child is a block, unless it leads, through single-child modules, to a list whose members run one
-  after another; then those members are blocks (``encoder.layers.0`` ...). A list whose members run side
-  by side (MoE experts, per-head projections) is part of a block, not a stack of blocks.
+  in an ``nn.ModuleList``, an ``nn.Sequential`` or a ``ModuleDict`` keyed by layer number), they are the
+  blocks, whatever their classes (hybrid stacks of Mamba, attention and MLP blocks);
+- otherwise (named children, such as ``encoder`` and ``decoder``, a trunk beside a head, or blocks kept
+  as separate attributes) a child that leads, through single-child modules, to a list whose members run
+  one after another contributes those members (``encoder.layers.0`` ...); of the other children, those
+  repeated in their class (``block_a``, ``block_b`` of one class) are blocks, and a child of a class of
+  its own (an output head with a norm and a projection, a projection before the blocks) is not.
+  A GEMM weight that is a direct child here (``lm_head``, ``output``) is never a block. A list whose
+  members run side by side (MoE experts, per-head projections) is part of a block, not a stack of blocks.
 
-A model without any nesting (a flat ``nn.Sequential`` of linears) has one block per GEMM site.
-The blocks are numbered in data-flow order (networkx topological order of the block dependency graph,
-ties by graph position), not by name, so blocks called in another order than they are defined are
-numbered as they run. Block A runs before block B when a GEMM of B reads a value computed from a GEMM
-of A. Blocks that a graph break puts in another graph are numbered within their own graph.
+A model without any nesting (a lone linear, a flat ``nn.Sequential`` of linears) has one block per GEMM
+site; a single module reached through single children (one block compiled on its own) has none. The blocks are numbered in data-flow order (networkx topological order of the block dependency graph,
+ties by graph position) when the graph holds GEMMs of every block, so blocks called in another order than
+they are defined are numbered as they run; otherwise in the order of their paths. Block A runs before
+block B when a GEMM of B reads a value computed from a GEMM of A.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Optional
 
 import networkx as nx
@@ -36,7 +43,12 @@ RunsInSequence = Callable[[list[str]], bool]
 
 
 def _natural_key(path: str):
-    return [int(t) if t.isdigit() else t for t in path.split(".")]
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in path.split(".")]
+
+
+def _path(site) -> str:
+    """The module path a site stands at: its name without the ``#k`` of a weight's k-th GEMM."""
+    return site.name.split("#", 1)[0]
 
 
 def _children(paths: set[str], parent: str) -> list[str]:
@@ -66,13 +78,20 @@ def _stack_members(paths, site_names, path, runs_in_sequence: RunsInSequence) ->
         return kids if _is_list(kids) and runs_in_sequence(kids) else None
 
 
-def block_paths(site_names: list[str], runs_in_sequence: Optional[RunsInSequence] = None) -> list[str]:
+def block_paths(
+    site_names: list[str],
+    runs_in_sequence: Optional[RunsInSequence] = None,
+    classes: Optional[dict[str, str]] = None,
+) -> list[str]:
     """Module paths of the blocks, in natural path order, for GEMM sites with these names.
 
     ``runs_in_sequence(paths)`` tells whether the sites under those module paths run one after another;
-    without it every list is taken to be a stack.
+    without it every list is taken to be a stack. ``classes`` maps module paths to class names: named
+    children repeated in their class are blocks; without it (or for a path it lacks) every named child
+    is of a class of its own.
     """
     runs_in_sequence = runs_in_sequence or (lambda kids: True)
+    classes = classes or {}
     names = set(site_names)
     paths = set()
     for name in names:
@@ -83,16 +102,27 @@ def block_paths(site_names: list[str], runs_in_sequence: Optional[RunsInSequence
     while True:
         kids = _containers(paths, names, node)
         if not kids:
-            return sorted(names, key=_natural_key) if node == "" else [node]
+            # No module below holds GEMMs: a list of linears (a flat ``nn.Sequential``), or at the root any
+            # linears, are one block each; a single module reached through single children is no stack.
+            sites = [k for k in _children(paths, node) if k in names]
+            if _is_list(sites) or node == "":
+                return sorted(sites, key=_natural_key)
+            return []
         if len(kids) == 1:
             node = kids[0]
             continue
         if _is_list(kids):
             return kids
-        out = []
+        out, single = [], []
         for kid in kids:
-            out.extend(_stack_members(paths, names, kid, runs_in_sequence) or [kid])
-        return out
+            members = _stack_members(paths, names, kid, runs_in_sequence)
+            if members:
+                out.extend(members)
+            else:
+                single.append(kid)
+        counts = Counter(classes.get(kid, kid) for kid in single)
+        out.extend(kid for kid in single if counts[classes.get(kid, kid)] > 1)
+        return sorted(out, key=_natural_key)
 
 
 class SiteDataFlow:
@@ -103,7 +133,10 @@ class SiteDataFlow:
     """
 
     def __init__(self, gm: fx.GraphModule, sites):
-        bit = {s.node_name: 1 << i for i, s in enumerate(sites)}
+        # A site inside a region (a checkpointed function) counts as the region's node of this graph.
+        bit: dict[str, int] = {}
+        for i, s in enumerate(sites):
+            bit[s.graph_node] = bit.get(s.graph_node, 0) | 1 << i
         upstream: dict[str, int] = {}
         for node in gm.graph.nodes:
             mask = 0
@@ -112,21 +145,22 @@ class SiteDataFlow:
             upstream[node.name] = mask
         self.position = {n.name: i for i, n in enumerate(gm.graph.nodes)}
         self.sites = list(sites)
-        self._bit = bit
+        self._index = {id(s): i for i, s in enumerate(self.sites)}
         self._upstream = upstream
 
     def members(self, path: str) -> list:
-        return [s for s in self.sites if s.name == path or s.name.startswith(path + ".")]
+        return [s for s in self.sites if _path(s) == path or _path(s).startswith(path + ".")]
 
     def graph(self, paths: list[str]) -> nx.DiGraph:
         """Dependency graph of module paths: an edge A -> B when a GEMM under B reads one under A."""
         masks, upstream = {}, {}
         for path in paths:
             members = self.members(path)
-            masks[path] = sum(self._bit[s.node_name] for s in members)
+            masks[path] = 0
             upstream[path] = 0
             for s in members:
-                upstream[path] |= self._upstream[s.node_name]
+                masks[path] |= 1 << self._index[id(s)]
+                upstream[path] |= self._upstream[s.graph_node]
         graph = nx.DiGraph()
         graph.add_nodes_from(p for p in paths if masks[p])
         graph.add_edges_from(
@@ -135,7 +169,8 @@ class SiteDataFlow:
         return graph
 
     def first_position(self, path: str) -> int:
-        return min(self.position[s.node_name] for s in self.members(path))
+        members = self.members(path)
+        return min(self.position[s.graph_node] for s in members) if members else len(self.position)
 
     def order(self, paths: list[str], graph: Optional[nx.DiGraph] = None) -> list[str]:
         """``paths`` (those holding sites of this graph) in data-flow order, ties by graph position
@@ -146,9 +181,13 @@ class SiteDataFlow:
         return sorted(graph, key=self.first_position)
 
     def runs_in_sequence(self, paths: list[str]) -> bool:
-        """True when the paths' GEMMs form a chain: each (in data-flow order) reads the one before."""
+        """True when the paths' GEMMs form a chain: each (in data-flow order) reads the one before. Where
+        the graph holds GEMMs of fewer than two of them (a block compiled on its own), it cannot tell,
+        and a list is taken to be a stack."""
         graph = self.graph(paths)
-        if len(graph) < 2 or not nx.is_directed_acyclic_graph(graph):
+        if len(graph) < 2:
+            return True
+        if not nx.is_directed_acyclic_graph(graph):
             return False
         ordered = self.order(paths, graph)
         return all(graph.has_edge(a, b) for a, b in zip(ordered, ordered[1:]))
@@ -157,13 +196,18 @@ class SiteDataFlow:
 def find_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if not ctx.sites:
         return gm
-    model_names = ctx.model_site_names
-    if model_names:
-        # Blocks known from the whole model (graph breaks): keep the model's numbering.
-        ordered = block_paths(model_names)
+    flow = SiteDataFlow(gm, ctx.sites)
+    model = ctx.model
+    if model is not None:
+        # The whole model's GEMM weights: a graph with part of the model numbers its blocks among all.
+        names = list(dict.fromkeys([*model.gemm_weights, *map(_path, ctx.sites)]))
+        classes = model.classes
     else:
-        flow = SiteDataFlow(gm, ctx.sites)
-        ordered = flow.order(block_paths([s.name for s in ctx.sites], flow.runs_in_sequence))
+        names, classes = list(dict.fromkeys(map(_path, ctx.sites))), _graph_classes(gm)
+    paths = block_paths(names, flow.runs_in_sequence, classes)
+    in_graph = [p for p in paths if flow.members(p)]
+    # Data-flow order where this graph runs every block; the order of their paths otherwise.
+    ordered = flow.order(paths) if len(in_graph) == len(paths) else paths
 
     def owner(name):
         for b in ordered:
@@ -173,9 +217,22 @@ def find_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
     index = {b: i for i, b in enumerate(ordered)}
     for site in ctx.sites:
-        b = owner(site.name)
+        b = owner(_path(site))
         site.block, site.block_name = (index[b], b) if b is not None else (None, None)
     ctx.n_blocks = len(ordered)
     ctx.block_names = ordered
     ctx.note(f"graph {ctx.graph_id}: {ctx.n_blocks} blocks ({', '.join(ordered[:3])}{', ...' if len(ordered) > 3 else ''})")
     return gm
+
+
+def _graph_classes(gm: fx.GraphModule) -> dict[str, str]:
+    """Module path -> class name from the graph's module stacks (where the backend has no root model)."""
+    from .find_gemm_sites import graph_root, module_path
+
+    root = graph_root(gm)
+    classes = {}
+    for node in gm.graph.nodes:
+        for qualified, cls in (node.meta.get("nn_module_stack") or {}).values():
+            name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
+            classes.setdefault(module_path(qualified, root), name.rsplit(".", 1)[-1])
+    return classes

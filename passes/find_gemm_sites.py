@@ -10,9 +10,19 @@ Guarantees: ``ctx.sites`` lists one ``GemmSite`` per GEMM that ``fp4.linear`` ca
 - ``addmm``: ``torch.addmm(b, x, W)`` with a 2-D ``x``, such a ``W`` [in, out] and a bias ``b`` [out], at
   ``beta = alpha = 1`` (Hugging Face's ``Conv1D``, used by GPT-2, is ``addmm(bias, x, weight)``).
 
-Each site's node has ``node.meta["fp4_site"]`` = the site index. Site names are module paths relative
-to the compiled model (a matmul's parameter path unless it is its module's ``weight``). Block membership
-is left to ``find_blocks``.
+Each site's node has ``node.meta["fp4_site"]`` = the site index. A site is named by its weight's qualified
+name in the root model without ``.weight`` (``layers.3.attention.wq``), whichever of these forms reaches
+it (``ctx.parameter_names``, from the backend; without a root model, from dynamo's sources). A tied weight
+is named after the module whose call computes the GEMM where it is that module's own. Names are unique:
+a weight used by several GEMMs of a graph names the second ``<name>#2`` and so on, so every site has
+stochastic-rounding streams of its own. Block membership is left to ``find_blocks``.
+
+Regions are seen through: GEMMs inside an activation-checkpointed function (``torch.utils.checkpoint``
+in either mode, Hugging Face's gradient checkpointing, selective checkpointing; dynamo's
+``tag_activation_checkpoint``) or a ``wrap`` region are sites like any other, with ``site.region`` the
+region's node and their parameters followed through the region's inputs. Other calls that receive a
+parameter or hold GEMMs inside a graph of their own (other higher-order ops, custom ops) are listed in
+``ctx.opaque``: what they compute runs as written.
 
 With ``Recipe(include_activation_matmuls=True)`` (experimental) a product of two activations
 ``A @ B`` (``operator.matmul``/``torch.matmul``/``torch.mm``/``torch.bmm`` calls) with A [..., M, K] and
@@ -38,6 +48,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from fp4compile.model_structure import site_name
 from fp4compile.sites import CompileContext, GemmSite, RoleInfo, example_tensor
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
@@ -175,10 +186,11 @@ def parameter_name(node: fx.Node, gm: fx.GraphModule, root: Optional[str] = None
     return f"{stack[-1][0]}.{name}" if stack else name
 
 
-def _reads_parameter(node, gm: fx.GraphModule, root: Optional[str]) -> Optional[str]:
-    """The parameter ``node`` is, through transposes and casts (``W``, ``W.t()``, ``W.T``, ``W.to(bf16)``)."""
+def _reads_parameter(node, gm: fx.GraphModule, root: Optional[str], names=None) -> Optional[str]:
+    """The parameter ``node`` is, through transposes and casts (``W``, ``W.t()``, ``W.T``, ``W.to(bf16)``);
+    ``names(node)`` gives a node's parameter name where the caller knows it (regions, root model)."""
     while isinstance(node, fx.Node):
-        name = parameter_name(node, gm, root)
+        name = names(node) if names is not None else parameter_name(node, gm, root)
         if name is not None:
             return name
         is_view = (
@@ -199,7 +211,7 @@ def _shape(node) -> tuple:
     return tuple(d if isinstance(d, int) else str(d) for d in value.shape)
 
 
-def _site_operands(node: fx.Node, gm: fx.GraphModule, root: Optional[str]):
+def _site_operands(node: fx.Node, scan: "_Scan"):
     """(kind, x, weight operand, has bias, parameter path) when ``fp4.linear`` can compute ``node``."""
     if node.op != "call_function":
         return None
@@ -209,17 +221,17 @@ def _site_operands(node: fx.Node, gm: fx.GraphModule, root: Optional[str]):
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         if len(_shape(weight)) != 2:
             return None
-        pname = parameter_name(weight, gm, root) if isinstance(weight, fx.Node) else None
+        pname = scan.parameter(weight) if isinstance(weight, fx.Node) else None
         return "linear", x, weight, bias is not None, pname
     if node.target in MATMUL_TARGETS and len(args) == 2 and not kwargs:
         x, weight = args
-        pname = _reads_parameter(weight, gm, root)
+        pname = scan.reads_parameter(weight)
         if pname is None or len(_shape(weight)) != 2 or len(_shape(x)) < 1:
             return None
         return "matmul", x, weight, False, pname
     if node.target in ADDMM_TARGETS and len(args) == 3 and all(kwargs.get(k, 1) == 1 for k in ("beta", "alpha")):
         bias, x, weight = args
-        pname = _reads_parameter(weight, gm, root)
+        pname = scan.reads_parameter(weight)
         wshape = _shape(weight)
         if set(kwargs) - {"beta", "alpha"} or pname is None or len(wshape) != 2:
             return None
@@ -232,14 +244,14 @@ def _site_operands(node: fx.Node, gm: fx.GraphModule, root: Optional[str]):
 ACTIVATION_MATMUL_TARGETS = (operator.matmul, torch.matmul, torch.mm, torch.bmm)
 
 
-def _activation_matmul(node: fx.Node, gm: fx.GraphModule, root: Optional[str]):
+def _activation_matmul(node: fx.Node, scan: "_Scan"):
     """(A, B) when ``node`` is an explicit product of two activations ``fp4.matmul`` can compute."""
     if node.op != "call_function" or node.target not in ACTIVATION_MATMUL_TARGETS:
         return None
     if len(node.args) != 2 or node.kwargs or not all(isinstance(a, fx.Node) for a in node.args):
         return None
     a, b = node.args
-    if _reads_parameter(a, gm, root) or _reads_parameter(b, gm, root):
+    if scan.reads_parameter(a) or scan.reads_parameter(b):
         return None
     sa, sb = _shape(a), _shape(b)
     if not 2 <= len(sa) <= 4 or len(sa) != len(sb) or sa[:-2] != sb[:-2] or sa[-1] != sb[-2]:
@@ -249,7 +261,7 @@ def _activation_matmul(node: fx.Node, gm: fx.GraphModule, root: Optional[str]):
     return a, b
 
 
-def _other_gemm(node: fx.Node, gm: fx.GraphModule, root: Optional[str], stack) -> Optional[OtherGemm]:
+def _other_gemm(node: fx.Node, scan: "_Scan", stack) -> Optional[OtherGemm]:
     """``node`` as an ``OtherGemm`` if it is a matrix product (that is not a site), else None."""
     if node.op == "call_function" and node.target in PRODUCT_FUNCTIONS:
         op = PRODUCT_FUNCTIONS[node.target]
@@ -260,7 +272,7 @@ def _other_gemm(node: fx.Node, gm: fx.GraphModule, root: Optional[str], stack) -
     else:
         return None
     operands = [a for a in node.args if isinstance(a, fx.Node)]
-    if not any(_reads_parameter(a, gm, root) for a in operands):
+    if not any(scan.reads_parameter(a) for a in operands):
         reason = "no parameter operand"
     elif node.op == "call_method":
         reason = "tensor method call"
@@ -281,7 +293,7 @@ def _expected_roles(site: GemmSite, weight) -> None:
             site.roles["wgrad"] = RoleInfo("wgrad", shape=(n, k, t))
 
 
-def _add_activation_site(node: fx.Node, ctx: CompileContext, stack, a: fx.Node, b: fx.Node) -> None:
+def _add_activation_site(node: fx.Node, ctx: CompileContext, stack, a: fx.Node, b: fx.Node, region=None) -> None:
     sa, sb = _shape(a), _shape(b)
     module, module_type = stack[-1] if stack else ("", "")
     prefix = f"{module}." if module else ""
@@ -297,6 +309,7 @@ def _add_activation_site(node: fx.Node, ctx: CompileContext, stack, a: fx.Node, 
         has_bias=False,
         node_name=node.name,
         graph_id=ctx.graph_id,
+        region=region,
     )
     t, n, k = site.tokens, site.out_features, site.in_features
     site.roles["fprop"] = RoleInfo("fprop", shape=(t, n, k))
@@ -316,38 +329,170 @@ def _add_activation_site(node: fx.Node, ctx: CompileContext, stack, a: fx.Node, 
     ctx.sites.append(site)
 
 
-def find_gemm_sites(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    ctx.other_gemms = []
-    root = graph_root(gm)
+# Higher-order ops whose graph runs as part of the model's forward, its inputs bound to the op's operands
+# after the graph: GEMMs inside are sites like any other (aot_autograd inlines them, keeping the
+# checkpoint's recomputation tags).
+SEEN_THROUGH = tuple(
+    op for op in (getattr(torch.ops.higher_order, name, None) for name in ("tag_activation_checkpoint", "wrap"))
+    if op is not None
+)
+# Operator namespaces whose ops are PyTorch's own (or this backend's): anything else is a custom op.
+_OWN_NAMESPACES = ("aten", "prims", "fp4", "_c10d_functional", "c10d_functional", "_dtensor", "profiler")
+_GEMM_TARGETS = set(LINEAR_TARGETS) | set(PRODUCT_FUNCTIONS)
+
+
+def regions(gm: fx.GraphModule):
+    """(call node, region graph module) for every seen-through region of ``gm``, nested ones included."""
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in SEEN_THROUGH and isinstance(node.args[0], fx.Node):
+            body = getattr(gm, node.args[0].target, None)
+            if isinstance(body, fx.GraphModule):
+                yield node, body
+                yield from regions(body)
+
+
+class _Scan:
+    """One graph being scanned: the top level, or a region's graph whose placeholders stand for the
+    operands of the call in the graph around it (``outer``: that graph's scan and the call node)."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: CompileContext, root: Optional[str], outer=None):
+        self.gm, self.ctx, self.root = gm, ctx, root
+        self.bound: dict[str, tuple["_Scan", fx.Node]] = {}
+        self.region: Optional[str] = None
+        if outer is not None:
+            scan, call = outer
+            self.region = scan.region or call.name
+            placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+            for placeholder, operand in zip(placeholders, call.args[1:]):
+                if isinstance(operand, fx.Node):
+                    self.bound[placeholder.name] = (scan, operand)
+
+    def parameter(self, node: fx.Node) -> Optional[str]:
+        """The qualified name of the parameter ``node`` is (followed into the graph around a region)."""
+        if node.op == "placeholder" and node.name in self.bound:
+            scan, operand = self.bound[node.name]
+            return scan.reads_parameter(operand)
+        if node.op == "placeholder" and self.region is None and node.name in self.ctx.parameter_names:
+            return self.ctx.parameter_names[node.name][0]
+        if self.region is not None:
+            return None
+        return parameter_name(node, self.gm, self.root)
+
+    def parameter_names(self, node: fx.Node) -> tuple:
+        """Every qualified name of the parameter ``node`` reads (a tied weight has several)."""
+        while isinstance(node, fx.Node) and node.op == "placeholder" and node.name in self.bound:
+            scan, operand = self.bound[node.name]
+            return scan.parameter_names(_through_views(operand))
+        if isinstance(node, fx.Node) and node.op == "placeholder" and node.name in self.ctx.parameter_names:
+            return tuple(self.ctx.parameter_names[node.name])
+        name = self.reads_parameter(node) if isinstance(node, fx.Node) else None
+        return (name,) if name is not None else ()
+
+    def reads_parameter(self, node) -> Optional[str]:
+        return _reads_parameter(node, self.gm, self.root, self.parameter)
+
+
+def _through_views(node):
+    """The node a chain of parameter views (transposes, casts) starts from."""
+    while isinstance(node, fx.Node) and node.args and (
+        (node.op == "call_method" and node.target in _PARAMETER_VIEW_METHODS)
+        or (node.op == "call_function" and node.target in _PARAMETER_VIEW_FUNCTIONS)
+        or (node.op == "call_function" and node.target is getattr and node.args[1] in _PARAMETER_VIEW_ATTRIBUTES)
+    ):
+        node = node.args[0]
+    return node
+
+
+def _holds_gemms(gm: fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and n.target in _GEMM_TARGETS for n in gm.graph.nodes) or any(
+        _holds_gemms(m) for m in gm.children() if isinstance(m, fx.GraphModule)
+    )
+
+
+def _opaque(node: fx.Node, scan: _Scan) -> Optional[str]:
+    """What ``node`` is when the passes cannot see into it and it may compute a GEMM with a weight: a
+    higher-order op (other than the regions seen through) or a custom op that receives a parameter or
+    holds GEMMs in a graph of its own; None otherwise."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        if target in SEEN_THROUGH:
+            return None
+        what = f"higher-order op {target.name()}"
+    elif isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        namespace = target.namespace if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name.split("::")[0]
+        if namespace in _OWN_NAMESPACES:
+            return None
+        what = f"custom op {namespace}::{target.__name__.split('.')[0]}"
+    else:
+        return None
+    operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+    graphs = [getattr(scan.gm, a.target, None) for a in operands if a.op == "get_attr"]
+    if any(scan.reads_parameter(a) for a in operands if a.op != "get_attr") or any(
+        isinstance(g, fx.GraphModule) and _holds_gemms(g) for g in graphs
+    ):
+        return what
+    return None
+
+
+def _unique(ctx: CompileContext, name: str) -> str:
+    """``name``, or ``name#k`` for the k-th GEMM of the graph that uses this weight."""
+    taken = {s.name for s in ctx.sites}
+    if name not in taken:
+        return name
+    k = 2
+    while f"{name}#{k}" in taken:
+        k += 1
+    return f"{name}#{k}"
+
+
+def _scan(scan: _Scan) -> None:
+    ctx, root, seen = scan.ctx, scan.root, set()
+    for node in scan.gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
+        if node.op == "call_function" and node.target in SEEN_THROUGH and isinstance(node.args[0], fx.Node):
+            body = getattr(scan.gm, node.args[0].target, None)
+            if isinstance(body, fx.GraphModule) and id(body) not in seen:
+                seen.add(id(body))
+                _scan(_Scan(body, ctx, root, outer=(scan, node)))
+                continue
         stack = _stack(node, root)
-        match = _site_operands(node, gm, root)
+        what = _opaque(node, scan)
+        if what is not None:
+            ctx.opaque.append((node.name, what, stack[-1][0] if stack else ""))
+            continue
+        match = _site_operands(node, scan)
         if match is None and ctx.recipe.include_activation_matmuls:
-            operands = _activation_matmul(node, gm, root)
+            operands = _activation_matmul(node, scan)
             if operands is not None:
-                _add_activation_site(node, ctx, stack, *operands)
+                _add_activation_site(node, ctx, stack, *operands, region=scan.region)
                 continue
         if match is None:
-            other = _other_gemm(node, gm, root, stack)
+            other = _other_gemm(node, scan, stack)
             if other is not None:
                 ctx.other_gemms.append(other)
             continue
         kind, x, weight, has_bias, pname = match
         wshape = _shape(weight)
         module, module_type = stack[-1] if stack else ("", "Linear")
-        if kind == "linear":
-            name = module or (pname or node.name).rsplit(".", 1)[0]
-            out_f, in_f = wshape
+        names = scan.parameter_names(_through_views(weight))
+        if names:
+            # A tied weight is named after the module whose call computes the GEMM, where it is its own.
+            pname = next((n for n in names if n.rsplit(".", 1)[0] == module), names[0])
+        if pname is None:
+            name = module or node.name
         else:
-            # A module's own ``weight`` (Conv1D, custom linear layers) is named like a linear layer.
-            name = module if module and pname == f"{module}.weight" else pname
-            module_type = module_type if name == module else "Parameter"
-            in_f, out_f = wshape
+            name = site_name(pname)
+        if ctx.model is not None and name in ctx.model.classes:
+            module_type = ctx.model.classes[name]
+        elif name != module:
+            module_type = "Parameter"
+        out_f, in_f = wshape if kind == "linear" else wshape[::-1]
         site = GemmSite(
             index=len(ctx.sites),
-            name=name,
+            name=_unique(ctx, name),
             kind=kind,
             module_type=module_type,
             in_features=int(in_f),
@@ -356,10 +501,17 @@ def find_gemm_sites(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             has_bias=has_bias,
             node_name=node.name,
             graph_id=ctx.graph_id,
+            region=scan.region,
         )
         _expected_roles(site, weight)
         node.meta["fp4_site"] = site.index
         ctx.sites.append(site)
+
+
+def find_gemm_sites(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    ctx.other_gemms = []
+    ctx.opaque = []
+    _scan(_Scan(gm, ctx, graph_root(gm)))
     ctx.note(
         f"graph {ctx.graph_id}: found {len(ctx.sites)} GEMM sites; "
         f"{len(ctx.other_gemms)} other matrix products stay in high precision"

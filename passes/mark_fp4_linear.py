@@ -5,6 +5,8 @@ Guarantees: every site with precision != "high" whose feature dims fit the forma
 by ``fp4compile.ops.linear``, whose autograd emits three ``fp4.gemm`` nodes tagged fprop/dgrad/wgrad
 once aot_autograd traces the graph; a matmul ``x @ W`` becomes ``fp4.linear(x, W.t(), None)`` and an
 ``addmm(b, x, W)`` (GPT-2's Conv1D) ``fp4.linear(x, W.t(), b)``.
+Sites inside a region (an activation-checkpointed function) are rewritten in the region's graph, so the
+checkpoint recomputes the FP4 forward (round-to-nearest: the same bits as the first time).
 Sites whose in/out features are not multiples of the block size stay as they are, set to "high" with
 the reason recorded. High-precision sites are not touched: they compute exactly what the model wrote.
 An ``activation_matmul`` site ``A @ B`` (two activations, ``Recipe(include_activation_matmuls=True)``)
@@ -32,6 +34,7 @@ from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext, example_tensor
 
 from . import fuse_amax
+from .find_gemm_sites import regions
 from .insert_quantize import operand_seed_and_label
 
 
@@ -68,6 +71,15 @@ def _share_amax(ctx: CompileContext, site, x: fx.Node) -> Optional[int]:
 
 
 def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    marked = 0
+    for _, region in regions(gm):  # checkpointed functions: rewritten in place, recomputed as marked
+        marked += _mark(region, ctx)
+    marked += _mark(gm, ctx)
+    ctx.note(f"graph {ctx.graph_id}: marked {marked} linears as fp4.linear")
+    return gm
+
+
+def _mark(gm: fx.GraphModule, ctx: CompileContext) -> int:
     bs = ctx.recipe.block_size
     marked = 0
     for node in list(gm.graph.nodes):
@@ -100,7 +112,7 @@ def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         marked += 1
-    gm.graph.lint()
-    gm.recompile()
-    ctx.note(f"graph {ctx.graph_id}: marked {marked} linears as fp4.linear")
-    return gm
+    if marked:
+        gm.graph.lint()
+        gm.recompile()
+    return marked

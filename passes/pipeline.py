@@ -4,7 +4,7 @@ Dynamo-level passes run on the torch-level FX graph dynamo captures; user precis
 after ``assign_precision``; aot-level passes run on the forward and on the backward graph that
 aot_autograd traces from the marked graph (they see the three role-tagged GEMMs of every FP4 linear).
 
-    find_gemm_sites -> find_blocks -> assign_precision -> [user passes] -> mark_fp4_linear
+    find_gemm_sites -> find_blocks -> assign_precision -> [user passes] -> check_plan -> mark_fp4_linear
     ──aot_autograd──▶ plan_gemm_roles -> insert_rht -> insert_quantize -> lower_scaled_mm
                       -> fuse_rht_quantize -> decode_for_emulation -> fuse_amax
 
@@ -23,6 +23,7 @@ import torch.fx as fx
 from fp4compile.sites import CompileContext
 
 from .assign_precision import assign_precision
+from .check_plan import check_plan
 from .decode_for_emulation import decode_for_emulation
 from .find_blocks import find_blocks
 from .find_gemm_sites import find_gemm_sites
@@ -36,7 +37,7 @@ from .plan_gemm_roles import plan_gemm_roles
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 
-DYNAMO_PASSES: list[Pass] = [find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear]
+DYNAMO_PASSES: list[Pass] = [find_gemm_sites, find_blocks, assign_precision, check_plan, mark_fp4_linear]
 # User precision passes are inserted at this index of DYNAMO_PASSES (after assign_precision).
 USER_PASS_INDEX = DYNAMO_PASSES.index(assign_precision) + 1
 AOT_PASSES: list[Pass] = [

@@ -62,7 +62,7 @@ def test_parameter_products_are_sites_in_linear_form():
     assert sites == [
         ("w", "matmul", False, 32, 32),
         ("u", "matmul", False, 32, 32),
-        ("u", "addmm", True, 32, 32),
+        ("u#2", "addmm", True, 32, 32),  # the second GEMM of weight u
     ]
     others = {(o.op, o.reason) for o in ctx.other_gemms}
     assert others == {
@@ -277,7 +277,9 @@ class TwoNamedStacks(nn.Module):
 
 def test_named_hybrid_stack_expands_but_experts_do_not():
     ctx = analyse(TwoNamedStacks(), torch.randn(2, 16, 32))
-    assert ctx.block_names == ["trunk.layers.0", "trunk.layers.1", "trunk.layers.2", "moe"]
+    assert ctx.block_names == ["trunk.layers.0", "trunk.layers.1", "trunk.layers.2"]
+    # A layer of a class of its own after the stack is not one of the repeated blocks: it stays high.
+    assert {plan(ctx)[f"moe.inner.experts.{i}.fc"] for i in range(4)} == {(None, "high")}
 
 
 class Macaron(nn.Module):
@@ -319,9 +321,14 @@ def test_flat_model_has_one_block_per_site():
 
 def test_block_paths_without_a_graph():
     names = ["embed.proj", "layers.0.mixer.in_proj", "layers.1.mixer.q_proj", "layers.10.mixer.in_proj", "lm_head"]
-    assert block_paths(names) == ["embed", "layers.0", "layers.1", "layers.10"]
+    # A projection before the stack and the output layer are not blocks.
+    assert block_paths(names) == ["layers.0", "layers.1", "layers.10"]
     experts = [f"block.moe.experts.{i}.fc" for i in range(4)] + ["head.fc", "head.out"]
-    assert block_paths(experts, runs_in_sequence=lambda paths: False) == ["block", "head"]
+    assert block_paths(experts, runs_in_sequence=lambda paths: False) == []
+    # Named children are blocks where their class repeats.
+    named = ["a.fc", "b.fc", "head.fc"]
+    assert block_paths(named, classes={"a": "Block", "b": "Block", "head": "Head"}) == ["a", "b"]
+    assert block_paths(named) == []
 
 
 # ------------------------------------------------------------------------- the hybrid example

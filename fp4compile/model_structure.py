@@ -1,0 +1,128 @@
+"""The model a compiled graph belongs to: parameter names and module structure from the root model.
+
+A graph dynamo captures reads the model's parameters as inputs, however the code reaches them (a module
+call, ``F.linear`` on a module's weight, ``x @ W.t()``, a checkpointed region, a block compiled on its
+own). The backend names each parameter by its identity in the *root* model, so that a GEMM site is named
+the same way whichever of these the model uses, and it takes the blocks from the root's module tree, so
+that a graph holding one block is numbered among all of the model's blocks.
+
+The root is the model given as ``Backend(model=...)``; else the outermost module on the call stack that
+holds the compiled module inside one of its blocks (a block compiled on its own, called from its model's
+``forward``); else the module being compiled (``torch.compile(model)``, ``model.compile()``).
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Iterable, Optional
+
+import torch
+
+# Modules whose 2-D weight is a lookup table, not a GEMM operand.
+_LOOKUP_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def site_name(parameter_name: str) -> str:
+    """A GEMM site's name from its weight's qualified name: ``layers.3.attn.wq.weight`` -> ``layers.3.attn.wq``
+    (other parameter names, such as ``attn.in_proj_weight``, stay whole)."""
+    return parameter_name[: -len(".weight")] if parameter_name.endswith(".weight") else parameter_name
+
+
+class ModelStructure:
+    """Names and structure of one root model, indexed once (and again when its parameters change).
+
+    ``names[id(p)]`` lists every qualified name of parameter ``p`` (a tied weight has several, in
+    registration order); ``classes`` maps module paths to class names; ``gemm_weights`` lists the site
+    names of the model's 2-D parameters outside embedding tables, the GEMM weights ``find_blocks`` groups
+    into blocks whether or not the graph at hand computes them.
+    """
+
+    def __init__(self, root: torch.nn.Module):
+        self.root = weakref.ref(root)
+        self.root_class = type(root).__name__
+        self.names: dict[int, list[str]] = {}
+        self.classes: dict[str, str] = {}
+        self.gemm_weights: list[str] = []
+        self._index(root)
+
+    def _index(self, root: torch.nn.Module) -> None:
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        self.names, self.classes, self.gemm_weights = {}, {}, []
+        for path, module in root.named_modules(remove_duplicate=False):
+            # A block compiled on its own sits in the model as a compiled module around it: not a level.
+            path = ".".join(p for p in path.split(".") if p != "_orig_mod")
+            if isinstance(module, OptimizedModule):
+                continue
+            self.classes.setdefault(path, type(module).__name__)
+            for name, p in module.named_parameters(recurse=False):
+                full = f"{path}.{name}" if path else name
+                self.names.setdefault(id(p), []).append(full)
+                if p.dim() == 2 and not isinstance(module, _LOOKUP_MODULES):
+                    self.gemm_weights.append(site_name(full))
+        self.gemm_weights = list(dict.fromkeys(self.gemm_weights))
+
+    def name_of(self, param: torch.Tensor, module_path: Optional[str] = None) -> Optional[str]:
+        """The qualified name of ``param`` in the root; for a tied weight, the one under ``module_path`` (the
+        module whose call computed the GEMM) where it has one there."""
+        names = self.names.get(id(param))
+        if names is None:
+            root = self.root()
+            if root is None:
+                return None
+            self._index(root)  # parameters replaced since (a module swapped in)
+            names = self.names.get(id(param))
+            if names is None:
+                return None
+        if module_path is not None:
+            for name in names:
+                if name.rsplit(".", 1)[0] == module_path:
+                    return name
+        return names[0]
+
+    def holds(self, params: Iterable[torch.Tensor]) -> bool:
+        return all(id(p) in self.names for p in params)
+
+
+def _modules_on_stack() -> list[torch.nn.Module]:
+    """The modules whose ``forward`` (or call) is running, innermost first; a compiled module
+    (``OptimizedModule``) counts as the module it wraps."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    found, seen = [], set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        frame = frame.f_back
+        if not isinstance(owner, torch.nn.Module):
+            continue
+        module = owner._orig_mod if isinstance(owner, OptimizedModule) else owner
+        if id(module) not in seen:
+            seen.add(id(module))
+            found.append(module)
+    return found
+
+
+def _holds_all(module: torch.nn.Module, param_ids: set) -> bool:
+    return param_ids <= {id(p) for p in module.parameters()}
+
+
+def find_root(params: list, in_a_block) -> Optional[torch.nn.Module]:
+    """The root model of a graph reading ``params``, from the modules on the call stack; None where no
+    module there holds them.
+
+    The innermost module holding them is the one being compiled. It is the root unless the outermost one
+    holds it inside one of its blocks (``in_a_block(outer, path of the compiled module in it)``): then it
+    is a block compiled on its own, and the outermost one is the root.
+    """
+    ids = {id(p) for p in params}
+    holders = [m for m in _modules_on_stack() if _holds_all(m, ids)]
+    if not holders:
+        return None
+    compiled, outer = holders[0], holders[-1]
+    if outer is not compiled:
+        path = next((name for name, m in outer.named_modules() if m is compiled), None)
+        if path is not None and in_a_block(outer, path):
+            return outer
+    return compiled
