@@ -103,6 +103,8 @@ class Backend:
         self._structures: dict[int, ModelStructure] = {}  # id(root) -> its structure (weakly held)
         self._warned: set[str] = set()
         self._round: set = set()  # graphs run since the SR stream last advanced (``_advance_for``)
+        self._checked_coverage = False
+        self._called: set = set()  # graphs called with gradients enabled (``_check_coverage`` after one pass)
         self.report = Report(self.recipe)
         self._step = 0
         self._forced_high_precision = False
@@ -142,15 +144,42 @@ class Backend:
         self._forced_high_precision = bool(state["forced_high_precision"])
         runtime.set_rng_state(state["sr"])
 
-    def _advance_for(self, graph) -> None:
+    def _advance_for(self, graph, quantizes: Optional[bool] = True) -> None:
         """Advance the stochastic-rounding stream once per pass over the model's compiled graphs with FP4
-        GEMMs: when such a graph runs again (the next step, or the next micro-batch), not at each graph of one pass. So a
+        GEMMs (``quantizes``: True; False for a graph whose GEMM sites are all high, which only marks the
+        first pass's end; None for a graph without GEMM sites): when such a graph runs again (the next step, or the next micro-batch), not at each graph of one pass. So a
         model compiled whole, block by block or split by graph breaks draws the same bits (every site's
         quantizers mix in a constant of their own), and each pass draws fresh ones."""
+        if quantizes is not None and graph in self._called and not self._checked_coverage:  # a second pass
+            self._checked_coverage = True
+            self._check_coverage()
+        if quantizes is not None:
+            self._called.add(graph)
+        if not quantizes:
+            return
         if not self._round or graph in self._round:
             runtime.advance()
             self._round = set()
         self._round.add(graph)
+
+    def _check_coverage(self) -> None:
+        """After the first pass over the model: warn about GEMM weights of its middle blocks that no compiled
+        graph reads (dynamo ran the code using them eagerly: they run in high precision)."""
+        seen = {s.name.split("#", 1)[0] for s in self.report.sites}
+        for structure in self._structures.values():
+            blocks = block_paths(structure.gemm_weights, None, structure.classes)
+            first, last = self.recipe.high_precision_block_counts(len(blocks))
+            middle = blocks[first: len(blocks) - last]
+            missing = [w for w in structure.gemm_weights
+                       if w not in seen and any(w.startswith(b + ".") for b in middle)]
+            if missing:
+                self._warn(
+                    f"{len(missing)} GEMM weights of {structure.root_class}'s blocks are in no compiled graph "
+                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): dynamo ran the code that "
+                    "uses them in eager PyTorch (TORCH_LOGS=graph_breaks says why), so they run in high "
+                    "precision. Checkpointed blocks that change state outside themselves (Hugging Face models) "
+                    "compile with torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True"
+                )
 
     # -- compilation ---------------------------------------------------------------------------
 
@@ -436,7 +465,7 @@ class _SwitchableGraph:
         self.graph_ids: dict[str, int] = {}  # one graph id per block instance; recompiles keep it
         # Whether each instance quantizes anything: graphs without FP4 GEMMs draw no SR bits and do not
         # mark the passes over the model (a frame of the model's loop runs once per block).
-        self.rounds: dict[str, bool] = {}
+        self.rounds: dict[str, Optional[bool]] = {}
         prefix = scope.prefix if scope is not None else ""
         self._compiled(prefix, False, example_inputs)
 
@@ -457,13 +486,14 @@ class _SwitchableGraph:
                 self.compiled[key] = self.backend._compile(
                     gm, self.example_inputs, graph_id, high_precision, model, names
                 )
-            self.rounds[prefix] = any(s.is_low_precision for s in self.backend.report.contexts[-1].sites)
+            sites = self.backend.report.contexts[-1].sites
+            self.rounds[prefix] = any(s.is_low_precision for s in sites) if sites else None
         return self.compiled[key]
 
     def __call__(self, *args):
         prefix = self.scope.prefix_of(args) if self.scope is not None else ""
-        if torch.is_grad_enabled() and self.rounds.get(prefix, True):
-            self.backend._advance_for((id(self), prefix))
+        if torch.is_grad_enabled():
+            self.backend._advance_for((id(self), prefix), self.rounds.get(prefix, True))
         runtime.set_backend_step(self.backend._step)
         return self._compiled(prefix, self.backend.high_precision, args)(*args)
 

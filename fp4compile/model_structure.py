@@ -8,7 +8,8 @@ that a graph holding one block is numbered among all of the model's blocks.
 
 The root is the model given as ``Backend(model=...)``; else the outermost module on the call stack that
 holds the compiled module inside one of its blocks (a block compiled on its own, called from its model's
-``forward``); else the module being compiled (``torch.compile(model)``, ``model.compile()``).
+``forward``); else the module that was compiled (``torch.compile(model)``, ``model.compile()``), also
+for the graphs of frames inside it that graph breaks make.
 """
 
 from __future__ import annotations
@@ -85,23 +86,25 @@ class ModelStructure:
         return all(id(p) in self.names for p in params)
 
 
-def _modules_on_stack() -> list[torch.nn.Module]:
-    """The modules whose ``forward`` (or call) is running, innermost first; a compiled module
-    (``OptimizedModule``) counts as the module it wraps."""
+def _modules_on_stack() -> list[tuple[torch.nn.Module, bool]]:
+    """(module, compiled) for the modules whose call is running, innermost first; a compiled module
+    (``torch.compile(module)``'s ``OptimizedModule``, or ``module.compile()``) counts as the module it
+    wraps, with ``compiled`` True."""
     from torch._dynamo.eval_frame import OptimizedModule
 
-    found, seen = [], set()
+    found: dict[int, list] = {}
     frame = sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
         frame = frame.f_back
         if not isinstance(owner, torch.nn.Module):
             continue
-        module = owner._orig_mod if isinstance(owner, OptimizedModule) else owner
-        if id(module) not in seen:
-            seen.add(id(module))
-            found.append(module)
-    return found
+        wrapped = isinstance(owner, OptimizedModule)
+        module = owner._orig_mod if wrapped else owner
+        compiled = wrapped or getattr(module, "_compiled_call_impl", None) is not None
+        entry = found.setdefault(id(module), [module, False])
+        entry[1] = entry[1] or compiled
+    return [(m, c) for m, c in found.values()]
 
 
 def _holds_all(module: torch.nn.Module, param_ids: set) -> bool:
@@ -112,16 +115,19 @@ def find_root(params: list, in_a_block) -> Optional[torch.nn.Module]:
     """The root model of a graph reading ``params``, from the modules on the call stack; None where no
     module there holds them.
 
-    The innermost module holding them is the one being compiled. It is the root unless the outermost one
-    holds it inside one of its blocks (``in_a_block(outer, path of the compiled module in it)``): then it
-    is a block compiled on its own, and the outermost one is the root.
+    The outermost compiled module holding them (the innermost holder where none is compiled) is the
+    model that was compiled; a graph of a frame inside it (a graph break) belongs to it too. It is the
+    root unless a module further out holds it inside one of its blocks (``in_a_block(outer, path of the
+    compiled module in it)``): then it is a block compiled on its own, and that module is the root.
     """
     ids = {id(p) for p in params}
-    holders = [m for m in _modules_on_stack() if _holds_all(m, ids)]
+    holders = [(m, c) for m, c in _modules_on_stack() if _holds_all(m, ids)]
     if not holders:
         return None
-    compiled, outer = holders[0], holders[-1]
-    if outer is not compiled:
+    compiled_ones = [i for i, (_, c) in enumerate(holders) if c]
+    at = compiled_ones[-1] if compiled_ones else 0
+    compiled = holders[at][0]
+    for outer, _ in reversed(holders[at + 1:]):
         path = next((name for name, m in outer.named_modules() if m is compiled), None)
         if path is not None and in_a_block(outer, path):
             return outer

@@ -132,12 +132,17 @@ class Report:
         return out
 
     def flop_shares(self) -> dict:
-        """Share of GEMM FLOPs per precision over every role-tagged GEMM with a known shape."""
+        """Share of GEMM FLOPs per precision over every role-tagged GEMM with a known shape, and the products
+        with a weight that are not sites (high precision)."""
         totals: dict = {}
         for site in self.sites:
             for info in site.roles.values():
                 if isinstance(info.flops, int):
                     totals[info.precision] = totals.get(info.precision, 0) + info.flops
+        for ctx in self.latest:  # products with a weight that are not sites (nn.MultiheadAttention's)
+            for other in ctx.other_gemms:
+                if other.flops:
+                    totals[HIGH] = totals.get(HIGH, 0) + other.flops
         total = sum(totals.values()) or 1
         return {k: v / total for k, v in totals.items()}
 

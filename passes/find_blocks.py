@@ -105,9 +105,9 @@ def block_paths(
             # No module below holds GEMMs: a list of linears (a flat ``nn.Sequential``), or at the root any
             # linears, are one block each; a single module reached through single children is no stack.
             sites = [k for k in _children(paths, node) if k in names]
-            if _is_list(sites) or node == "":
-                return sorted(sites, key=_natural_key)
-            return []
+            if node == "" or all(k.rsplit(".", 1)[-1].isdigit() for k in sites):
+                return sorted(sites, key=_natural_key)  # a list of linears, or linears at the root
+            return [node] if node.rsplit(".", 1)[-1].isdigit() else []  # the one member of a list
         if len(kids) == 1:
             node = kids[0]
             continue

@@ -31,6 +31,10 @@ B [..., K, N] of the same rank (2-D to 4-D) and the same leading dims is a site 
   (attention scores ``q @ k.mT`` are ``attn.matmul_0``, ``probs @ v`` ``attn.matmul_1``),
   computed by ``fp4.matmul`` like a linear whose weight is B.
 
+``nn.MultiheadAttention`` reaches dynamo's graph as one ``F.multi_head_attention_forward`` call: its input
+and output projections are listed in ``ctx.other_gemms`` with their FLOPs (high precision, counted in
+the report's FLOP shares) and the call in ``ctx.opaque``.
+
 Otherwise, products without a parameter operand (attention scores and values, SDPA, SSM scans written with
 ``einsum``/``bmm``) and batched parameters (``bmm``/``baddbmm``/grouped GEMMs with a 3-D weight, such as
 stacked MoE experts) are not sites: they run in high precision, as the model wrote them. They are listed in
@@ -87,6 +91,9 @@ class OtherGemm:
     module: str  # path of the module that computes it ("" at the top level)
     shapes: tuple  # operand shapes
     reason: str
+    # FLOPs of a product with a weight (forward, and backward where it has gradients), which the report
+    # counts as high precision; None for products of activations, which it does not count.
+    flops: Optional[int] = None
 
     @property
     def activation_matmul(self) -> bool:
@@ -436,6 +443,32 @@ def _opaque(node: fx.Node, scan: _Scan) -> Optional[str]:
     return None
 
 
+def _multihead_attention(node: fx.Node, scan: _Scan, stack) -> list[OtherGemm]:
+    """The input and output projections of a fused ``F.multi_head_attention_forward`` call
+    (``nn.MultiheadAttention``), which dynamo keeps as one call: products with a weight, in high precision."""
+    args = dict(zip(_MHA_PARAMETERS, node.args), **node.kwargs)
+    query, key = _shape(args["query"]), _shape(args["key"])
+    if len(query) < 2 or len(key) < 2 or not all(isinstance(d, int) for d in (*query, *key)):
+        return []
+    e = query[-1]
+    t, s = math.prod(query[:-1]), math.prod(key[:-1])
+    backward = 3 if torch.is_grad_enabled() else 1  # fprop, dgrad and wgrad
+    module = stack[-1][0] if stack else ""
+    reason = "inside nn.MultiheadAttention's fused function, which the passes do not see into"
+    return [
+        OtherGemm(node.name, "multi_head_attention_forward.in_proj", module, ((t, e), (3 * e, e)), reason,
+                  backward * 2 * e * e * (t + 2 * s)),
+        OtherGemm(node.name, "multi_head_attention_forward.out_proj", module, ((t, e), (e, e)), reason,
+                  backward * 2 * t * e * e),
+    ]
+
+
+_MHA_PARAMETERS = (
+    "query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias", "bias_k",
+    "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias",
+)
+
+
 def _unique(ctx: CompileContext, name: str) -> str:
     """``name``, or ``name#k`` for the k-th GEMM of the graph that uses this weight."""
     taken = {s.name for s in ctx.sites}
@@ -459,9 +492,10 @@ def _scan(scan: _Scan) -> None:
                 _scan(_Scan(body, ctx, root, outer=(scan, node)))
                 continue
         stack = _stack(node, root)
-        what = _opaque(node, scan)
-        if what is not None:
-            ctx.opaque.append((node.name, what, stack[-1][0] if stack else ""))
+        if node.target is torch.nn.functional.multi_head_attention_forward:
+            ctx.other_gemms.extend(_multihead_attention(node, scan, stack))
+            ctx.opaque.append((node.name, "nn.MultiheadAttention (F.multi_head_attention_forward)",
+                               stack[-1][0] if stack else ""))
             continue
         match = _site_operands(node, scan)
         if match is None and ctx.recipe.include_activation_matmuls:
@@ -471,8 +505,11 @@ def _scan(scan: _Scan) -> None:
                 continue
         if match is None:
             other = _other_gemm(node, scan, stack)
+            what = _opaque(node, scan) if other is None else None
             if other is not None:
                 ctx.other_gemms.append(other)
+            elif what is not None:
+                ctx.opaque.append((node.name, what, stack[-1][0] if stack else ""))
             continue
         kind, x, weight, has_bias, pname = match
         wshape = _shape(weight)

@@ -159,9 +159,9 @@ def test_precision_plan_follows_the_recipe_proportions(n_blocks, first, last):
     assert high_blocks == expected
     assert all(s.precision == "nvfp4" for s in sites if s.block is not None and s.block not in expected)
     head = next(s for s in sites if s.name == "head")
-    assert head.block is None and head.precision == "nvfp4"  # not matched by lm_head patterns
+    assert (head.block, head.precision, head.reason) == (None, "high", "outside the repeated blocks")
     for s in sites:
-        if s.precision == "high":
+        if s.precision == "high" and s is not head:
             assert "first" in s.reason or "last" in s.reason
 
 
@@ -179,7 +179,7 @@ def test_gpt_plan_keeps_lm_head_and_ends_high():
 
 def test_tied_lm_head_in_fp4_trains():
     model = _gpt(n_layer=4, tied=True)
-    backend = Backend(inner="eager", high_precision_modules=())
+    backend = Backend(inner="eager", high_precision_modules=(), high_precision_outside_blocks=False)
     _, loss = _train_step(model, backend, torch.randint(0, 64, (2, 32)))
     lm_head = next(s for s in backend.report.sites if s.name == "lm_head")
     assert lm_head.precision == "nvfp4"

@@ -134,3 +134,78 @@ def test_bamba_mamba_and_attention_layers_with_feed_forward():
     assert {n.split(".", 3)[-1] for n, s in sites.items() if s.block in (1, 2)} == {
         "mamba.in_proj", "mamba.out_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
         "self_attn.o_proj", "feed_forward.gate_proj", "feed_forward.up_proj", "feed_forward.down_proj"}
+
+
+def one_step(model):
+    """One forward and backward through the backend: ({site: (block, precision, reason)}, loss, grads)."""
+    fp4compile.manual_seed(0)
+    torch._dynamo.reset()
+    backend = Backend(inner="eager")
+    idx = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    loss = torch.compile(model, backend=backend)(input_ids=idx, labels=idx, use_cache=False).loss
+    loss.backward()
+    plan = {s.name: (s.block, s.precision, s.reason) for s in backend.report.sites}
+    return plan, loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=4, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    ))
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    ))
+
+
+def bert_mlm():
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    ))
+
+
+@pytest.mark.parametrize("make, layers", [(gpt2, "transformer.h"), (llama, "model.layers"), (bert_mlm, "bert.encoder.layer")])
+def test_gradient_checkpointing_keeps_the_plan_and_the_numbers(make, layers):
+    torch.manual_seed(0)
+    model = make().train()
+    plan, loss, grads = one_step(model)
+    model.zero_grad(set_to_none=True)
+    model.gradient_checkpointing_enable()
+    # Llama's layers set a context variable that dynamo would replay in the recomputation; without this
+    # setting it runs them in eager PyTorch, and the backend warns that their weights are in no graph.
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        ck_plan, ck_loss, ck_grads = one_step(model)
+    assert ck_plan == plan
+    blocks = {b for b, precision, _ in plan.values() if b is not None}
+    assert blocks == {0, 1, 2, 3}
+    assert {name for name, (b, p, _) in plan.items() if p == "nvfp4"} == {
+        name for name, (b, _, _) in plan.items() if b in (1, 2)}
+    assert all(name.startswith(layers) for name, (b, _, _) in plan.items() if b is not None)
+    torch.testing.assert_close(ck_loss, loss, rtol=0, atol=0)
+    for name in grads:
+        torch.testing.assert_close(ck_grads[name], grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bert_mlm_head_is_outside_the_blocks():
+    torch.manual_seed(0)
+    plan, _, _ = one_step(bert_mlm())
+    heads = {n: v for n, v in plan.items() if n.startswith("cls.")}
+    assert heads and all(v == (None, "high", "outside the repeated blocks") for v in heads.values())
+
+
+def test_layers_that_dynamo_runs_eagerly_are_named_in_a_warning():
+    torch.manual_seed(0)
+    model = llama().train()
+    model.gradient_checkpointing_enable()
+    backend = Backend(inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    idx = torch.randint(0, VOCAB, (2, 32))
+    with pytest.warns(fp4compile.PlanWarning, match="GEMM weights of LlamaForCausalLM's blocks are in no compiled graph"):
+        for _ in range(2):
+            compiled(input_ids=idx, labels=idx, use_cache=False).loss.backward()
+    assert any("skip_fwd_side_effects_in_bwd_under_checkpoint" in w for w in backend.report.warnings)

@@ -256,7 +256,7 @@ def test_print_ir_after_a_pass_while_compiling(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "fp4compile: graph" in out and "backward after insert_rht ----" in out
     assert "forward after insert_rht" in out and "after insert_quantize" not in out
-    assert out.count("torch.ops.fp4.rht.default(") == 6  # the wgrads of block 1's two linears and the head
+    assert out.count("torch.ops.fp4.rht.default(") == 4  # the wgrads of block 1's two linears (the head is high)
 
     torch._dynamo.reset()
     monkeypatch.setenv("FP4COMPILE_PRINT_IR_AFTER", "all")

@@ -255,3 +255,31 @@ def test_a_custom_op_with_a_weight_is_named_in_a_warning():
     assert len(lines) == 1
     assert "custom op fp4test::fused_linear" in lines[0] and "0, 1, 2" in lines[0]
     assert backend.report.warnings == [lines[0].removeprefix("fp4compile: ")]
+
+
+class MHABlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(D, HEADS, batch_first=True)
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x):
+        x = x + self.attn(x, x, x, need_weights=False)[0]
+        return x + self.fc(x)
+
+
+def test_multihead_attention_projections_are_listed_and_counted():
+    model = nn.Sequential(*[MHABlock() for _ in range(4)])
+    backend = Backend(inner="eager")
+    with pytest.warns(PlanWarning, match=r"nn.MultiheadAttention .*in 0.attn, 1.attn, 2.attn, 3.attn"):
+        torch.compile(model, backend=backend)(torch.randn(2, 16, D)).sum().backward()
+    (ctx,) = backend.report.contexts
+    projections = [o for o in ctx.other_gemms if o.op.startswith("multi_head_attention_forward")]
+    assert len(projections) == 8
+    tokens = 2 * 16
+    assert {o.flops for o in projections} == {3 * 2 * D * D * 3 * tokens, 3 * 2 * D * D * tokens}
+    shares = backend.report.flop_shares()
+    fc_flops = sum(info.flops for s in ctx.sites for info in s.roles.values())
+    high = sum(o.flops for o in projections) + sum(
+        info.flops for s in ctx.sites for info in s.roles.values() if info.precision == "high")
+    assert shares["high"] == pytest.approx(high / (fc_flops + sum(o.flops for o in projections)))

@@ -25,9 +25,10 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _backend(**kw) -> Backend:
-    """Every GEMM in FP4: no first/last blocks kept in high precision."""
+    """Every GEMM in FP4: no first/last blocks kept in high precision, nor the layers outside them."""
     kw.setdefault("high_precision_first_blocks", 0)
     kw.setdefault("high_precision_last_blocks", 0)
+    kw.setdefault("high_precision_outside_blocks", False)
     return Backend(inner="eager", **kw)
 
 
