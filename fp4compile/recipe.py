@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import numbers
 from typing import Optional, Sequence, Union
 
 BlockCount = Union[int, float, None]
 
 FORMATS = ("nvfp4", "mxfp4")
 HIGH = "high"
+_BOOL_FIELDS = ("rht", "stochastic_rounding", "weight_2d", "quantize_backward", "check_finite",
+                "include_activation_matmuls", "decoded_operands", "share_weight")
+_INT_FIELDS = ("rht_size", "seed", "switch_to_high_precision_at")
+_OPTIONAL_FIELDS = ("decoded_operands", "switch_to_high_precision_at")  # None is allowed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +69,25 @@ class Recipe:
     share_weight: bool = True
 
     def __post_init__(self):
-        if self.fmt not in FORMATS:
+        # Every field is checked here, so that a wrong value (a string "false", which is truthy) fails
+        # at once, naming the field, instead of silently changing the recipe or failing while compiling.
+        if not isinstance(self.fmt, str) or self.fmt not in FORMATS:
             raise ValueError(f"Recipe.fmt must be one of {FORMATS}, got {self.fmt!r}")
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name in _OPTIONAL_FIELDS and value is None):
+                accepts = "True, False or None" if name in _OPTIONAL_FIELDS else "True or False"
+                raise TypeError(f"Recipe.{name} must be {accepts}, got {value!r}")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_FIELDS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                accepts = "an int or None" if name in _OPTIONAL_FIELDS else "an int"
+                raise TypeError(f"Recipe.{name} must be {accepts}, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if self.switch_to_high_precision_at is not None and self.switch_to_high_precision_at < 0:
+            raise ValueError(f"Recipe.switch_to_high_precision_at must be a step >= 0 or None, got {self.switch_to_high_precision_at}")
         if self.rht_size != 16:
             raise ValueError(f"Recipe.rht_size: only 16-point transforms are supported, got {self.rht_size}")
         for name in ("high_precision_first_blocks", "high_precision_last_blocks"):
@@ -76,9 +98,13 @@ class Recipe:
                 raise ValueError(f"Recipe.{name} must be a count >= 0, a fraction in (0, 1) or None, got {value!r}")
             if isinstance(value, float) and not 0 <= value < 1:
                 raise ValueError(f"Recipe.{name}: a float is a fraction of the blocks in [0, 1), got {value}")
-        if isinstance(self.high_precision_modules, str):
-            object.__setattr__(self, "high_precision_modules", (self.high_precision_modules,))
-        object.__setattr__(self, "high_precision_modules", tuple(self.high_precision_modules))
+        modules = self.high_precision_modules
+        modules = (modules,) if isinstance(modules, str) else modules
+        if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
+            raise TypeError(
+                f"Recipe.high_precision_modules must be a module-path pattern or a list of them (str), got {modules!r}"
+            )
+        object.__setattr__(self, "high_precision_modules", tuple(modules))
 
     @property
     def weight_block(self) -> str:

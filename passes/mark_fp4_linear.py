@@ -6,7 +6,9 @@ by ``fp4compile.ops.linear``, whose autograd emits three ``fp4.gemm`` nodes tagg
 once aot_autograd traces the graph; a matmul ``x @ W`` becomes ``fp4.linear(x, W.t(), None)`` and an
 ``addmm(b, x, W)`` (GPT-2's Conv1D) ``fp4.linear(x, W.t(), b)``.
 Sites whose in/out features are not multiples of the block size stay as they are, set to "high" with
-the reason recorded. High-precision sites are not touched: they compute exactly what the model wrote.
+the reason recorded. High-precision sites are not touched: they compute exactly what the model wrote. A site set to a
+format other than the recipe's is refused with a ValueError naming it (quantizers and kernels follow
+the recipe's format).
 An ``activation_matmul`` site ``A @ B`` (two activations, ``Recipe(include_activation_matmuls=True)``)
 becomes ``fp4.matmul(A, B, site)`` (in_features = K, out_features = N must fit the blocks).
 With ``Recipe(share_weight=True)`` (the default), NVFP4 16x16 weights and FP4 backward GEMMs, a linear
@@ -77,6 +79,12 @@ def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         site = ctx.sites[index]
         if not site.is_low_precision:
             continue
+        if site.precision != ctx.recipe.fmt:
+            # Quantizers, scales and kernels are built for the recipe's format and its block size.
+            raise ValueError(
+                f"fp4compile: GEMM site {site.name!r} was set to {site.precision!r}, but the recipe's fmt is "
+                f"{ctx.recipe.fmt!r}; a site runs in the recipe's format or in high precision ('high')"
+            )
         bad = [f"{name}={dim}" for name, dim in (("in_features", site.in_features), ("out_features", site.out_features)) if dim % bs]
         if bad:
             reason = f"{', '.join(bad)} not a multiple of the {site.precision} block size {bs}"
