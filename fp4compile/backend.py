@@ -407,8 +407,11 @@ class _SwitchableGraph:
         # step; they reuse its tracing context so that they trace with the same (symbolic) shapes.
         self.tracing_context = torch._guards.TracingContext.try_get()
         # The SR base of each GPU the graph runs on exists before any CUDA graph is recorded.
-        for device in {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}:
+        gpus = {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}
+        for device in gpus:
             runtime.device_base(device)
+        # Whose torch generator stochastic rounding draws from, as dropout in this graph would.
+        self.device = min(gpus, key=str) if gpus else torch.device("cpu")
         self.compiled: dict = {}
         self.graph_ids: dict[str, int] = {}  # one graph id per block instance; recompiles keep it
         prefix = scope.prefix if scope is not None else ""
@@ -433,7 +436,7 @@ class _SwitchableGraph:
 
     def __call__(self, *args):
         if torch.is_grad_enabled():
-            runtime.advance()
+            runtime.advance(self.device, counted=self.backend.recipe.seed is not None)
         runtime.set_backend_step(self.backend._step)
         prefix = self.scope.prefix_of(args) if self.scope is not None else ""
         return self._compiled(prefix, self.backend.high_precision)(*args)

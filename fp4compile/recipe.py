@@ -14,7 +14,7 @@ HIGH = "high"
 _BOOL_FIELDS = ("rht", "stochastic_rounding", "weight_2d", "quantize_backward", "check_finite",
                 "include_activation_matmuls", "decoded_operands", "share_weight")
 _INT_FIELDS = ("rht_size", "seed", "switch_to_high_precision_at")
-_OPTIONAL_FIELDS = ("decoded_operands", "switch_to_high_precision_at")  # None is allowed
+_OPTIONAL_FIELDS = ("decoded_operands", "seed", "switch_to_high_precision_at")  # None is allowed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,9 @@ class Recipe:
         (first max(1, round(n*2/62)), last max(1, round(n*8/62)) of n blocks).
     high_precision_modules: fnmatch patterns of module paths kept in high precision (lm_head, embeddings).
     quantize_backward: False quantizes the forward (fprop) GEMMs only.
-    seed: base of the stochastic-rounding stream.
+    seed: None (default): stochastic rounding draws from torch's generator (``torch.manual_seed``
+        governs it, as it governs dropout); an int makes it fp4compile's own stream, the same bits
+        whatever torch's seed (``fp4compile.manual_seed`` resets that stream's step).
     switch_to_high_precision_at: step (see ``Backend.step``) from which every GEMM runs in high
         precision, the recipe's "switch to BF16 before the end" schedule; recompiles once.
     check_finite: raise an error naming the layer, GEMM role and operand when a quantized tensor holds
@@ -61,7 +63,7 @@ class Recipe:
     high_precision_last_blocks: BlockCount = None
     high_precision_modules: Sequence[str] = ("lm_head", "*.lm_head", "*embed*", "*wte", "*wpe")
     quantize_backward: bool = True
-    seed: int = 0
+    seed: Optional[int] = None
     switch_to_high_precision_at: Optional[int] = None
     check_finite: bool = False
     include_activation_matmuls: bool = False

@@ -6,6 +6,8 @@ Models are tiny and compiled with the eager inner compiler on the CPU unless a t
 
 from __future__ import annotations
 
+import copy
+import io
 import re
 import shlex
 import tomllib
@@ -159,6 +161,83 @@ def test_a_site_in_another_format_than_the_recipe_is_refused_naming_it():
     message = r"GEMM site 'layers\.0\.fc' was set to 'mxfp4', but the recipe's fmt is 'nvfp4'"
     with pytest.raises(BackendCompilerFailed, match=message):
         torch.compile(_stack(), backend=Backend(passes=[mxfp4_fc], **_all_fp4()))(_x(2, D))
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeding: torch.manual_seed governs stochastic rounding, as it governs dropout
+# ---------------------------------------------------------------------------------------------
+
+
+def _train(model, backend, steps=2, start=0, opt=None):
+    """``steps`` training steps on fixed data; the losses and the optimizer."""
+    compiled = torch.compile(model, backend=backend)
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(start, start + steps):
+        loss = compiled(_x(2, 16, D, seed=100 + step)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, opt
+
+
+def _sr_run(torch_seed, **recipe):
+    """Weight gradients of a fresh model's second step after ``torch.manual_seed(torch_seed)``."""
+    torch._dynamo.reset()
+    model = _stack()
+    torch.manual_seed(torch_seed)
+    _train(model, Backend(**_all_fp4(rht=False, **recipe)))
+    return grads(model)
+
+
+def test_torch_manual_seed_governs_stochastic_rounding():
+    fp4compile.manual_seed(None)  # the default: no fp4compile seed (tests start from a fixed one)
+    first, again, other = _sr_run(0), _sr_run(0), _sr_run(1)
+    for name, g in first.items():
+        assert torch.equal(g, again[name]), name  # two runs in one process, as in a notebook or a sweep
+    assert not torch.equal(first["layers.0.fc.weight"], other["layers.0.fc.weight"])
+
+
+def test_fp4compile_seeds_override_torch_seed():
+    fp4compile.manual_seed(3)
+    first = _sr_run(0)
+    fp4compile.manual_seed(3)
+    assert torch.equal(first["layers.0.fc.weight"], _sr_run(1)["layers.0.fc.weight"])
+    fp4compile.manual_seed(None)
+    by_recipe = _sr_run(0, seed=5)
+    fp4compile.manual_seed(None)
+    assert torch.equal(by_recipe["layers.0.fc.weight"], _sr_run(1, seed=5)["layers.0.fc.weight"])
+
+
+def test_resume_with_torch_rng_state_continues_identically():
+    fp4compile.manual_seed(None)
+    model = _stack()
+    torch.manual_seed(7)
+    losses_4, _ = _train(model, Backend(**_all_fp4()), steps=4)
+
+    torch._dynamo.reset()
+    model, backend = _stack(), Backend(**_all_fp4())
+    torch.manual_seed(7)
+    first, opt = _train(model, backend)
+    assert first == losses_4[:2]
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "fp4": backend.state_dict(),
+                "torch_rng": torch.get_rng_state()}, buffer)
+
+    torch._dynamo.reset()
+    torch.manual_seed(999)
+    fp4compile.manual_seed(None)
+    resumed, resumed_backend = _stack(), Backend(**_all_fp4())
+    resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    buffer.seek(0)
+    state = torch.load(buffer)
+    resumed.load_state_dict(state["model"])
+    resumed_opt.load_state_dict(state["opt"])
+    resumed_backend.load_state_dict(state["fp4"])
+    torch.set_rng_state(state["torch_rng"])
+    rest, _ = _train(resumed, resumed_backend, start=2, opt=resumed_opt)
+    assert rest == losses_4[2:]
 
 
 # ---------------------------------------------------------------------------------------------
