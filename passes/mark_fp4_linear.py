@@ -5,8 +5,8 @@ Guarantees: every site with precision != "high" whose feature dims fit the forma
 by ``fp4compile.ops.linear``, whose autograd emits three ``fp4.gemm`` nodes tagged fprop/dgrad/wgrad
 once aot_autograd traces the graph; a matmul ``x @ W`` becomes ``fp4.linear(x, W.t(), None)`` and an
 ``addmm(b, x, W)`` (GPT-2's Conv1D) ``fp4.linear(x, W.t(), b)``.
-Sites whose in/out features are not multiples of the block size stay as they are, set to "high" with
-the reason recorded. High-precision sites are not touched: they compute exactly what the model wrote. A site set to a
+Sites whose in/out features are not multiples of the block size, or whose operands are float64, stay
+as they are, set to "high" with the reason recorded. High-precision sites are not touched: they compute exactly what the model wrote. A site set to a
 format other than the recipe's is refused with a ValueError naming it (quantizers and kernels follow
 the recipe's format).
 An ``activation_matmul`` site ``A @ B`` (two activations, ``Recipe(include_activation_matmuls=True)``)
@@ -86,8 +86,14 @@ def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 f"{ctx.recipe.fmt!r}; a site runs in the recipe's format or in high precision ('high')"
             )
         bad = [f"{name}={dim}" for name, dim in (("in_features", site.in_features), ("out_features", site.out_features)) if dim % bs]
-        if bad:
+        operands = [example_tensor(a) for a in node.args if isinstance(a, fx.Node)]
+        reason = None
+        if any(t is not None and t.dtype == torch.float64 for t in operands):
+            # A float64 model asked for float64 arithmetic; FP4 quantizers take fp32, bf16 and fp16.
+            reason = "float64 operands: FP4 GEMMs take float32, bfloat16 or float16"
+        elif bad:
             reason = f"{', '.join(bad)} not a multiple of the {site.precision} block size {bs}"
+        if reason is not None:
             ctx.fallback(site, "all GEMMs", reason)
             site.set_precision(HIGH, reason)
             continue
