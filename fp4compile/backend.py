@@ -105,6 +105,16 @@ class Backend:
     def __repr__(self) -> str:
         return f"fp4compile.Backend(fmt={self.recipe.fmt!r}, inner={self.inner!r})"
 
+    def __getstate__(self) -> dict:
+        """What ``copy.deepcopy`` and ``pickle`` keep: the settings (recipe, passes, inner compiler, mode,
+        options) and the step; the report comes without its compilations (``Report.__getstate__``). A
+        copy compiles its own graphs (an EMA copy of a compiled model gets a backend of its own)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_graph_ids"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._graph_ids = itertools.count()
+
     # -- training-time controls ----------------------------------------------------------------
 
     def step(self, n: int = 1) -> int:
