@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import re
 import shlex
 import tomllib
@@ -238,6 +239,129 @@ def test_resume_with_torch_rng_state_continues_identically():
     torch.set_rng_state(state["torch_rng"])
     rest, _ = _train(resumed, resumed_backend, start=2, opt=resumed_opt)
     assert rest == losses_4[2:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Copies and pickles
+# ---------------------------------------------------------------------------------------------
+
+
+def test_deepcopy_of_a_compiled_model_after_a_step_trains_like_the_original():
+    model = _stack()
+    compiled = torch.compile(model, backend=Backend(**_all_fp4()))
+    compiled(_x(2, 16, D)).square().mean().backward()
+    ema = copy.deepcopy(compiled)  # the EMA copy of a training loop, after the first step
+    x = _x(2, 16, D, seed=5)
+    with torch.no_grad():
+        assert torch.equal(ema(x), compiled(x))  # forward rounding is to nearest: the same bits
+    ema(x).square().mean().backward()
+    assert all(p.grad is not None for p in ema.parameters())
+
+
+def test_a_used_backend_and_its_report_pickle_with_their_settings():
+    backend = Backend(passes=[fp4compile.precision_pass(_module_level_pass)], **_all_fp4(rht=False))
+    _train(_stack(), backend, steps=1)
+    backend.step(3)
+    for copied in (pickle.loads(pickle.dumps(backend)), copy.deepcopy(backend)):
+        assert copied.recipe == backend.recipe and copied.inner == "eager"
+        assert copied.passes == backend.passes and copied.state_dict()["step"] == 3
+        assert copied.report.recipe == backend.recipe and copied.report.sites == []  # compilations stay behind
+    assert pickle.loads(pickle.dumps(backend.report)).recipe == backend.recipe
+
+
+def _module_level_pass(gm, ctx):
+    """A precision pass that pickles (by reference, as Python pickles functions)."""
+    return gm
+
+
+# ---------------------------------------------------------------------------------------------
+# Empty inputs: a GEMM with no tokens gives what eager gives
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt, block", [("nvfp4", "1x16"), ("nvfp4", "16x16"), ("mxfp4", "1x32")])
+@pytest.mark.parametrize("rounding", ["rne", "sr"])
+def test_quantize_and_dequantize_an_empty_tensor(fmt, block, rounding):
+    from fp4compile import formats
+
+    q = formats.quantize(torch.zeros(0, 64), fmt, block, rounding, seed=1)
+    assert formats.dequantize(q).shape == (0, 64)
+
+
+def test_a_linear_without_tokens_gives_an_empty_output_and_zero_weight_gradient():
+    model = _stack()
+    x = torch.zeros(0, D, requires_grad=True)
+    y = torch.compile(model, backend=Backend(**_all_fp4()))(x)
+    y.sum().backward()
+    assert y.shape == (0, D) and x.grad.shape == (0, D)
+    for name, g in grads(model).items():
+        assert torch.equal(g, torch.zeros_like(g)), name
+
+
+def test_emulated_gemm_without_tokens_launches_nothing():
+    pytest.importorskip("triton")
+    from fp4compile.codegen import triton_kernels as tk
+
+    out = tk.emulated_scaled_mm(torch.zeros(0, 32), torch.tensor(1.0), torch.zeros(16, 32), torch.tensor(1.0))
+    assert out.shape == (0, 16)
+
+
+def test_cutlass_gemm_without_tokens_returns_eager_results_without_a_kernel():
+    from fp4compile.codegen import cutlass_gemm
+
+    config = cutlass_gemm.supported_configs()[0]
+    amax = torch.tensor(1.0)
+    empty = cutlass_gemm.scaled_mm(config, torch.zeros(0, 16, dtype=torch.uint8), torch.zeros(0, 2), amax,
+                                   torch.zeros(8, 16, dtype=torch.uint8), torch.zeros(8, 2), amax)
+    assert empty.shape == (0, 8) and empty.dtype == config.torch_out_dtype
+    bias = torch.arange(8.0)
+    no_k = cutlass_gemm.scaled_mm(config, torch.zeros(4, 0, dtype=torch.uint8), torch.zeros(4, 0), amax,
+                                  torch.zeros(8, 0, dtype=torch.uint8), torch.zeros(8, 0), amax, bias)
+    assert torch.equal(no_k.float(), bias.expand(4, 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 models run their GEMMs in high precision, with the reason recorded
+# ---------------------------------------------------------------------------------------------
+
+
+def test_float64_model_runs_in_high_precision_with_the_reason():
+    model = _stack().double()
+    backend = Backend(**_all_fp4())
+    x = _x(2, 16, D, dtype=torch.float64)
+    y = torch.compile(model, backend=backend)(x)
+    assert y.dtype == torch.float64 and torch.equal(y, model(x))
+    assert {s.name: s.precision for s in backend.report.sites} == {"layers.0.fc": "high", "layers.0.out": "high", "head": "high"}
+    assert all("float64" in s.reason for s in backend.report.sites)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI says what to do in one line
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cli_image_without_matplotlib_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    from fp4compile import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    argv = ["inspect", str(ROOT / "examples" / "inspect_gpt.py") + ":gpt", "--input-shape", "2x32",
+            "--input-dtype", "long", "--image", "out.png"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fp4compile inspect: error: --image needs matplotlib: pip install matplotlib (or the [plot] extra)"
+    )
+
+
+def test_cli_float_input_to_an_embedding_model_names_the_flag(capsys):
+    from fp4compile import cli
+
+    argv = ["inspect", str(ROOT / "examples" / "inspect_gpt.py") + ":gpt", "--input-shape", "2x32"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith("pass --input-dtype long"), err
 
 
 # ---------------------------------------------------------------------------------------------
