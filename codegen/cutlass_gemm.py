@@ -569,6 +569,11 @@ def scaled_mm(
     """
     from fp4compile.formats import swizzle_scales
 
+    m, n, k = a_data.shape[0], b_data.shape[0], a_data.shape[-1] * 2
+    if m == 0 or n == 0 or k == 0:
+        # Nothing to multiply (an expert that got no tokens): eager's result, without building or launching.
+        out = torch.zeros((m, n), dtype=config.torch_out_dtype, device=a_data.device)
+        return out + bias.to(out.dtype) if bias is not None else out
     if a_data.device.type != "cuda":
         raise ValueError(f"the CUTLASS NVFP4 GEMM runs on CUDA tensors, got a tensor on {a_data.device}")
     kernel = load(config, device=a_data.device)

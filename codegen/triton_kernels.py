@@ -1759,6 +1759,8 @@ def emulated_scaled_mm(
     out = torch.empty(acc.shape, dtype=out_dtype, device=acc.device)
     cfg = CONFIGS["epilogue"]
     n = acc.numel()
+    if n == 0:  # no tokens (or no outputs): nothing to launch
+        return out
     _launch(_epilogue_kernel, (triton.cdiv(n, cfg["BLOCK"]),), acc, alpha, out, n, BLOCK=cfg["BLOCK"],
             **_launch_options(cfg))
     return out

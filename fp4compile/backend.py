@@ -15,6 +15,7 @@ frame runs its own compilation (see ``_ModelScope``).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import warnings
@@ -85,6 +86,11 @@ class Backend:
             raise ValueError(f"inner must be one of {INNER_COMPILERS}, got {inner!r}")
         if mode not in (None, "default") and inner != "inductor":
             raise ValueError(f"mode={mode!r} is an Inductor mode; it needs inner='inductor', got inner={inner!r}")
+        if recipe is not None and not isinstance(recipe, Recipe):
+            raise TypeError(
+                f"Backend(recipe=...) takes a fp4compile.Recipe, got {type(recipe).__name__} {recipe!r}; "
+                "the format is a Recipe field: Backend(fmt='nvfp4') or Backend(recipe=Recipe(fmt='nvfp4'))"
+            )
         recipe = recipe or Recipe()
         recipe = recipe.replace(**recipe_fields) if recipe_fields else recipe
         if runtime.env_flag(CHECK_FINITE_ENV, False):
@@ -95,6 +101,7 @@ class Backend:
             if not callable(p):
                 raise TypeError(f"user passes must be callables fn(gm, ctx) -> gm, got {p!r}")
         self.inner = inner
+        self.mode = mode
         self.print_ir_after = print_ir_after
         self.unused_grad_buffers = unused_grad_buffers
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -117,6 +124,16 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"fp4compile.Backend(fmt={self.recipe.fmt!r}, inner={self.inner!r})"
+
+    def __getstate__(self) -> dict:
+        """What ``copy.deepcopy`` and ``pickle`` keep: the settings (recipe, passes, inner compiler, mode,
+        options) and the step; the report comes without its compilations (``Report.__getstate__``). A
+        copy compiles its own graphs (an EMA copy of a compiled model gets a backend of its own)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_graph_ids"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._graph_ids = itertools.count()
 
     # -- training-time controls ----------------------------------------------------------------
 
@@ -144,10 +161,12 @@ class Backend:
         self._forced_high_precision = bool(state["forced_high_precision"])
         runtime.set_rng_state(state["sr"])
 
-    def _advance_for(self, graph, quantizes: Optional[bool] = True) -> None:
+    def _advance_for(self, graph, quantizes: Optional[bool] = True, device=None) -> None:
         """Advance the stochastic-rounding stream once per pass over the model's compiled graphs with FP4
         GEMMs (``quantizes``: True; False for a graph whose GEMM sites are all high, which only marks the
-        first pass's end; None for a graph without GEMM sites): when such a graph runs again (the next step, or the next micro-batch), not at each graph of one pass. So a
+        first pass's end; None for a graph without GEMM sites): when such a graph runs again (the next
+        step, or the next micro-batch), not at each graph of one pass; ``device``: whose torch generator
+        the new base is drawn from (``runtime.advance``). So a
         model compiled whole, block by block or split by graph breaks draws the same bits (every site's
         quantizers mix in a constant of their own), and each pass draws fresh ones."""
         if quantizes is not None and graph in self._called and not self._checked_coverage:  # a second pass
@@ -158,7 +177,7 @@ class Backend:
         if not quantizes:
             return
         if not self._round or graph in self._round:
-            runtime.advance()
+            runtime.advance(device or torch.device("cpu"), counted=self.recipe.seed is not None)
             self._round = set()
         self._round.add(graph)
 
@@ -181,11 +200,51 @@ class Backend:
                     "compile with torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True"
                 )
 
+    def configure(self, mode: Optional[str] = None, options: Optional[dict] = None) -> None:
+        """Apply ``torch.compile``'s ``mode`` and ``options`` (the keys ``backend="nvfp4"`` takes) to this
+        backend, as the string form builds its backend from them. A value that differs from one this
+        backend already has (given to ``Backend(...)`` or by an earlier ``torch.compile``) is an error,
+        and so is any change once the backend has compiled a graph."""
+        recipe_options, settings = _split_options(options)
+        if mode is not None:
+            settings["mode"] = mode
+        if "recipe" in recipe_options:
+            recipe_options = {**dataclasses.asdict(recipe_options.pop("recipe")), **recipe_options}
+        current = {name: getattr(self, name) for name in _SETTING_DEFAULTS}
+        current["passes"] = tuple(self.passes)
+        settings = {k: tuple(v) if k == "passes" else v for k, v in settings.items()}
+        default_recipe = Recipe()
+        conflicts = [
+            f"{name}={value!r} (the Backend has {current[name]!r})"
+            for name, value in settings.items()
+            if value != current[name] and current[name] not in (_SETTING_DEFAULTS[name], "default")
+        ] + [
+            f"{name}={value!r} (the Backend's recipe has {getattr(self.recipe, name)!r})"
+            for name, value in recipe_options.items()
+            if value != getattr(self.recipe, name) and getattr(self.recipe, name) != getattr(default_recipe, name)
+        ]
+        if conflicts:
+            raise ValueError(f"torch.compile's mode/options conflict with the fp4compile.Backend's own settings: {'; '.join(conflicts)}")
+        merged = {**current, **settings}
+        wanted = Backend(recipe=self.recipe.replace(**recipe_options), **merged)  # validates as Backend(...) does
+        if merged == current and wanted.recipe == self.recipe:
+            return
+        if self.report.contexts:
+            raise ValueError(
+                "torch.compile's mode/options would change an fp4compile.Backend that has already compiled "
+                "graphs with other settings; give that compilation a Backend of its own"
+            )
+        for name in ("recipe", "passes", "inner", "mode", "print_ir_after", "unused_grad_buffers", "inductor_config"):
+            setattr(self, name, getattr(wanted, name))
+        self.report = Report(self.recipe)
+
     # -- compilation ---------------------------------------------------------------------------
 
-    def __call__(self, gm: fx.GraphModule, example_inputs):
+    def __call__(self, gm: fx.GraphModule, example_inputs, mode: Optional[str] = None, options: Optional[dict] = None):
         from fp4compile.codegen import precompile
 
+        if mode is not None or options:  # torch.compile(model, backend=Backend(...), mode=..., options=...)
+            self.configure(mode, options)
         precompile.prepare()  # start the kernel compile workers while the graph is traced and rewritten
         check_gemm_dtypes(gm)
         original = clone_dynamo_module(gm)
@@ -459,8 +518,11 @@ class _SwitchableGraph:
         # step; they reuse its tracing context so that they trace with the same (symbolic) shapes.
         self.tracing_context = torch._guards.TracingContext.try_get()
         # The SR base of each GPU the graph runs on exists before any CUDA graph is recorded.
-        for device in {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}:
+        gpus = {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}
+        for device in gpus:
             runtime.device_base(device)
+        # Whose torch generator stochastic rounding draws from, as dropout in this graph would.
+        self.device = min(gpus, key=str) if gpus else torch.device("cpu")
         self.compiled: dict = {}
         self.graph_ids: dict[str, int] = {}  # one graph id per block instance; recompiles keep it
         # Whether each instance quantizes anything: graphs without FP4 GEMMs draw no SR bits and do not
@@ -493,7 +555,7 @@ class _SwitchableGraph:
     def __call__(self, *args):
         prefix = self.scope.prefix_of(args) if self.scope is not None else ""
         if torch.is_grad_enabled():
-            self.backend._advance_for((id(self), prefix), self.rounds.get(prefix, True))
+            self.backend._advance_for((id(self), prefix), self.rounds.get(prefix, True), self.device)
         runtime.set_backend_step(self.backend._step)
         return self._compiled(prefix, self.backend.high_precision, args)(*args)
 
@@ -645,10 +707,21 @@ def get_backend(options: Optional[dict] = None, mode: Optional[str] = None) -> B
     """
     key = repr((sorted((options or {}).items()), mode))
     if key not in _backends:
-        options = dict(options or {})
-        backend_args = {k: options.pop(k) for k in ("inner", "passes", "print_ir_after", "unused_grad_buffers") if k in options}
-        _backends[key] = Backend(recipe=Recipe.from_options(options), mode=mode, **backend_args)
+        recipe_options, backend_args = _split_options(options)
+        _backends[key] = Backend(recipe=Recipe.from_options(recipe_options), mode=mode, **backend_args)
     return _backends[key]
+
+
+# Backend settings that torch.compile's options may hold besides Recipe fields, with Backend's defaults.
+_SETTING_DEFAULTS = {"inner": "inductor", "passes": (), "print_ir_after": None, "unused_grad_buffers": None, "mode": None}
+
+
+def _split_options(options: Optional[dict]) -> tuple[dict, dict]:
+    """torch.compile's options as (Recipe fields or "recipe", Backend settings); unknown keys are an error."""
+    options = dict(options or {})
+    settings = {k: options.pop(k) for k in _SETTING_DEFAULTS if k != "mode" and k in options}
+    Recipe.from_options(options)  # names an unknown key or a bad value now
+    return options, settings
 
 
 def nvfp4_backend(gm: fx.GraphModule, example_inputs, options: Optional[dict] = None, mode: Optional[str] = None):

@@ -234,8 +234,23 @@ def _recipe(options: list) -> Recipe:
 
 def _inspect(args) -> int:
     recipe = _recipe(args.recipe_option)
+    if args.image is not None and importlib.util.find_spec("matplotlib") is None:  # checked before compiling
+        raise UsageError("--image needs matplotlib: pip install matplotlib (or the [plot] extra)")
     model = load_factory(args.model).to(args.device)
-    report = fp4compile.explain(model, *_inputs(args, model), recipe=recipe, inner=args.inner)
+    inputs = _inputs(args, model)
+    try:
+        report = fp4compile.explain(model, *inputs, recipe=recipe, inner=args.inner)
+    except Exception as exc:
+        # One line, not dynamo's traceback: usually inputs that do not fit the model, which the
+        # innermost error (the op that refused them) says best.
+        cause = exc
+        while cause.__cause__ is not None:
+            cause = cause.__cause__
+        message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        hint = ""
+        if any(m for m in model.modules() if isinstance(m, nn.Embedding)) and any(x.is_floating_point() for x in inputs):
+            hint = "; the model has embeddings, whose inputs are token ids: pass --input-dtype long"
+        raise UsageError(f"running the model on the inputs failed: {message}{hint}") from exc
     try:
         _show(report, args)
         if args.image is not None:

@@ -345,7 +345,9 @@ def quantize(
     cols = _BLOCK_SHAPES[block][1]
     bamax = _block_amax(xf, block)
     if fmt == "nvfp4":
-        g_amax = bamax.amax()  # max |x|: the largest block maximum (NaN propagates)
+        # max |x|: the largest block maximum (NaN propagates); 0 for an empty tensor (no tokens), which
+        # quantizes to an empty result like an all-zero one
+        g_amax = bamax.amax() if bamax.numel() else bamax.new_zeros(())
         if amax is not None:
             # A finite override must not hide NaN/Inf in x: a non-finite amax of x wins over it.
             g_amax = torch.where(torch.isfinite(g_amax), amax.detach().float().reshape(()), g_amax)

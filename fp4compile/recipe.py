@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import numbers
 from typing import Optional, Sequence, Union
 
 BlockCount = Union[int, float, None]
 
 FORMATS = ("nvfp4", "mxfp4")
 HIGH = "high"
+_BOOL_FIELDS = ("rht", "stochastic_rounding", "weight_2d", "quantize_backward", "check_finite",
+                "high_precision_outside_blocks", "include_activation_matmuls", "decoded_operands", "share_weight")
+_INT_FIELDS = ("rht_size", "seed", "switch_to_high_precision_at")
+_OPTIONAL_FIELDS = ("decoded_operands", "seed", "switch_to_high_precision_at")  # None is allowed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +32,9 @@ class Recipe:
     high_precision_outside_blocks: keep every GEMM outside the model's repeated blocks in high precision
         (the output layer whatever its name, a tied embedding head, projections before the first block).
     quantize_backward: False quantizes the forward (fprop) GEMMs only.
-    seed: base of the stochastic-rounding stream.
+    seed: None (default): stochastic rounding draws from torch's generator (``torch.manual_seed``
+        governs it, as it governs dropout); an int makes it fp4compile's own stream, the same bits
+        whatever torch's seed (``fp4compile.manual_seed`` resets that stream's step).
     switch_to_high_precision_at: step (see ``Backend.step``) from which every GEMM runs in high
         precision, the recipe's "switch to BF16 before the end" schedule; recompiles once.
     check_finite: raise an error naming the layer, GEMM role and operand when a quantized tensor holds
@@ -59,7 +66,7 @@ class Recipe:
     high_precision_modules: Sequence[str] = ("lm_head", "*.lm_head", "*embed*", "*wte", "*wpe")
     high_precision_outside_blocks: bool = True
     quantize_backward: bool = True
-    seed: int = 0
+    seed: Optional[int] = None
     switch_to_high_precision_at: Optional[int] = None
     check_finite: bool = False
     include_activation_matmuls: bool = False
@@ -67,8 +74,25 @@ class Recipe:
     share_weight: bool = True
 
     def __post_init__(self):
-        if self.fmt not in FORMATS:
+        # Every field is checked here, so that a wrong value (a string "false", which is truthy) fails
+        # at once, naming the field, instead of silently changing the recipe or failing while compiling.
+        if not isinstance(self.fmt, str) or self.fmt not in FORMATS:
             raise ValueError(f"Recipe.fmt must be one of {FORMATS}, got {self.fmt!r}")
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name in _OPTIONAL_FIELDS and value is None):
+                accepts = "True, False or None" if name in _OPTIONAL_FIELDS else "True or False"
+                raise TypeError(f"Recipe.{name} must be {accepts}, got {value!r}")
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL_FIELDS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                accepts = "an int or None" if name in _OPTIONAL_FIELDS else "an int"
+                raise TypeError(f"Recipe.{name} must be {accepts}, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        if self.switch_to_high_precision_at is not None and self.switch_to_high_precision_at < 0:
+            raise ValueError(f"Recipe.switch_to_high_precision_at must be a step >= 0 or None, got {self.switch_to_high_precision_at}")
         if self.rht_size != 16:
             raise ValueError(f"Recipe.rht_size: only 16-point transforms are supported, got {self.rht_size}")
         for name in ("high_precision_first_blocks", "high_precision_last_blocks"):
@@ -79,9 +103,13 @@ class Recipe:
                 raise ValueError(f"Recipe.{name} must be a count >= 0, a fraction in (0, 1) or None, got {value!r}")
             if isinstance(value, float) and not 0 <= value < 1:
                 raise ValueError(f"Recipe.{name}: a float is a fraction of the blocks in [0, 1), got {value}")
-        if isinstance(self.high_precision_modules, str):
-            object.__setattr__(self, "high_precision_modules", (self.high_precision_modules,))
-        object.__setattr__(self, "high_precision_modules", tuple(self.high_precision_modules))
+        modules = self.high_precision_modules
+        modules = (modules,) if isinstance(modules, str) else modules
+        if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
+            raise TypeError(
+                f"Recipe.high_precision_modules must be a module-path pattern or a list of them (str), got {modules!r}"
+            )
+        object.__setattr__(self, "high_precision_modules", tuple(modules))
 
     @property
     def weight_block(self) -> str:

@@ -89,6 +89,12 @@ class Report:
     def add_context(self, ctx: CompileContext) -> None:
         self.contexts.append(ctx)
 
+    def __getstate__(self) -> dict:
+        # Compilations hold graphs, fake tensors and caches that can be neither pickled nor copied: a
+        # copy or an unpickled report keeps the recipe and no compilations (keep ``summary()`` or
+        # ``precision_table()`` as text to save what they showed).
+        return {"recipe": self.recipe, "contexts": []}
+
     @property
     def latest(self) -> list[CompileContext]:
         """The latest compilation of each graph (recompiles replace earlier ones)."""

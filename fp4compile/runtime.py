@@ -1,11 +1,17 @@
 """Run-time state shared by the compiled graphs: the stochastic-rounding stream and kernel dispatch.
 
-The SR stream is counter based: a quantize node carries a constant seed (mixed from the recipe seed,
-the GEMM site, its role and operand) and combines it at run time with the SR state (base seed, step).
-The step advances on every call of a compiled graph with gradients enabled (before its forward runs,
-so that call's backward draws with the same step), so every training step draws fresh bits while two
-runs started from the same state produce the same bits. ``get_rng_state``/``set_rng_state`` let a
-checkpoint resume the stream exactly.
+A quantize node carries a constant seed (mixed from the recipe seed, the GEMM site, its role and
+operand) and combines it at run time with the step's base. Every call of a compiled graph with
+gradients enabled sets a new base before its forward runs (so that call's backward draws with it):
+
+* by default the base is drawn from torch's default generator of the graph's device, as dropout
+  draws its bits: ``torch.manual_seed`` governs stochastic rounding, the same torch seed gives the
+  same bits and a resumed run continues identically when torch's RNG state is restored with it;
+* after ``manual_seed(seed)``, or for a graph whose ``Recipe.seed`` is set, the base is counted
+  instead, ``mix64(seed ^ mix64(step))`` (fp4compile's own stream, blind to torch's seed), and
+  ``manual_seed(None)`` returns to torch's generator.
+
+``get_rng_state``/``set_rng_state`` save and restore the stream (seed, step and current base).
 
 On a GPU the state also lives on the device: one int64 per device holding the step's base
 ``mix64(seed ^ mix64(step))``, rewritten in place whenever the state changes. The GPU quantizers read
@@ -34,7 +40,7 @@ def env_flag(name: str, default: bool) -> bool:
     return default if not value else value not in ("0", "false", "no", "off")
 
 _lock = threading.Lock()
-_state = {"seed": 0, "step": 0}
+_state = {"seed": None, "step": 0}  # seed None: the base comes from torch's generator
 _backend_step = {"step": 0}
 _device_bases: dict = {}  # torch.device -> int64 [1] tensor holding the signed bits of _base()
 
@@ -47,15 +53,37 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def node_seed(recipe_seed: int, site_key: int, role: str, operand: int) -> int:
-    """The constant a quantize node carries for its SR stream (stable across processes)."""
+def node_seed(recipe_seed: Optional[int], site_key: int, role: str, operand: int) -> int:
+    """The constant a quantize node carries for its SR stream (stable across processes); a recipe
+    without a seed (None) mixes like seed 0."""
+    recipe_seed = recipe_seed or 0
     role_code = {"fprop": 1, "dgrad": 2, "wgrad": 3}[role]
     return _mix64(((recipe_seed * 1_000_003 + site_key) * 16 + role_code * 2 + operand) & _MASK64) & ((1 << 63) - 1)
 
 
+def _counted_base() -> int:
+    """fp4compile's own stream's base at the current step (call with the lock held)."""
+    return _mix64((_state["seed"] or 0) ^ _mix64(_state["step"]))
+
+
+_state["base"] = _counted_base()
+
+
 def _base() -> int:
     """The step's base of every node's stream (call with the lock held)."""
-    return _mix64(_state["seed"] ^ _mix64(_state["step"]))
+    return _state["base"]
+
+
+def _draw_from_torch(device: torch.device) -> int:
+    """A base from torch's default generator of ``device``, consuming it as a random op would."""
+    if device.type == "cuda":
+        # Philox: the generator's seed and offset; moving the offset on is what a kernel drawing from it
+        # does, and needs no read back from the GPU.
+        generator = torch.cuda.default_generators[_device_key(device).index]
+        offset = generator.get_offset()
+        generator.set_offset(offset + 4)
+        return _mix64(generator.initial_seed() ^ _mix64(offset))
+    return _mix64(int(torch.empty((), dtype=torch.int64).random_()))
 
 
 def _signed64(value: int) -> int:
@@ -85,12 +113,14 @@ def _update_device_bases() -> None:
             tensor.fill_(base)
 
 
-def manual_seed(seed: int) -> None:
-    """Reset the SR stream: base seed ``seed``, step 0."""
+def manual_seed(seed: Optional[int]) -> None:
+    """Reset the SR stream to step 0 and make it fp4compile's own, counted from ``seed`` whatever
+    torch's seed; ``None`` returns to drawing each step's base from torch's generator (the default)."""
     with _lock:
         _check_state_change()
-        _state["seed"] = int(seed)
+        _state["seed"] = None if seed is None else int(seed)
         _state["step"] = 0
+        _state["base"] = _counted_base()
         _update_device_bases()
 
 
@@ -103,16 +133,23 @@ def get_rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     with _lock:
         _check_state_change()
-        _state["seed"] = int(state["seed"])
+        _state["seed"] = None if state["seed"] is None else int(state["seed"])
         _state["step"] = int(state["step"])
+        _state["base"] = int(state["base"]) if "base" in state else _counted_base()
         _update_device_bases()
 
 
-def advance() -> None:
-    """Called once per pass over a backend's compiled graphs with gradients enabled, before the first runs."""
+def advance(device: Optional[torch.device] = None, counted: bool = False) -> None:
+    """Called once per pass over a backend's compiled graphs with gradients enabled, before the first
+    runs: the next base, from torch's generator of ``device`` unless the stream is counted
+    (``manual_seed`` with a seed, or ``counted`` for a graph whose recipe has a seed)."""
     with _lock:
         _check_state_change()
         _state["step"] += 1
+        if _state["seed"] is None and not counted:
+            _state["base"] = _draw_from_torch(torch.device("cpu") if device is None else device)
+        else:
+            _state["base"] = _counted_base()
         _update_device_bases()
 
 

@@ -7,8 +7,10 @@ once aot_autograd traces the graph; a matmul ``x @ W`` becomes ``fp4.linear(x, W
 ``addmm(b, x, W)`` (GPT-2's Conv1D) ``fp4.linear(x, W.t(), b)``.
 Sites inside a region (an activation-checkpointed function) are rewritten in the region's graph, so the
 checkpoint recomputes the FP4 forward (round-to-nearest: the same bits as the first time).
-Sites whose in/out features are not multiples of the block size stay as they are, set to "high" with
-the reason recorded. High-precision sites are not touched: they compute exactly what the model wrote.
+Sites whose in/out features are not multiples of the block size, or whose operands are float64, stay
+as they are, set to "high" with the reason recorded. High-precision sites are not touched: they compute
+exactly what the model wrote. A site set to a format other than the recipe's is refused with a
+ValueError naming it (quantizers and kernels follow the recipe's format).
 An ``activation_matmul`` site ``A @ B`` (two activations, ``Recipe(include_activation_matmuls=True)``)
 becomes ``fp4.matmul(A, B, site)`` (in_features = K, out_features = N must fit the blocks).
 With ``Recipe(share_weight=True)`` (the default), NVFP4 16x16 weights and FP4 backward GEMMs, a linear
@@ -89,9 +91,21 @@ def _mark(gm: fx.GraphModule, ctx: CompileContext) -> int:
         site = ctx.sites[index]
         if not site.is_low_precision:
             continue
+        if site.precision != ctx.recipe.fmt:
+            # Quantizers, scales and kernels are built for the recipe's format and its block size.
+            raise ValueError(
+                f"fp4compile: GEMM site {site.name!r} was set to {site.precision!r}, but the recipe's fmt is "
+                f"{ctx.recipe.fmt!r}; a site runs in the recipe's format or in high precision ('high')"
+            )
         bad = [f"{name}={dim}" for name, dim in (("in_features", site.in_features), ("out_features", site.out_features)) if dim % bs]
-        if bad:
+        operands = [example_tensor(a) for a in node.args if isinstance(a, fx.Node)]
+        reason = None
+        if any(t is not None and t.dtype == torch.float64 for t in operands):
+            # A float64 model asked for float64 arithmetic; FP4 quantizers take fp32, bf16 and fp16.
+            reason = "float64 operands: FP4 GEMMs take float32, bfloat16 or float16"
+        elif bad:
             reason = f"{', '.join(bad)} not a multiple of the {site.precision} block size {bs}"
+        if reason is not None:
             ctx.fallback(site, "all GEMMs", reason)
             site.set_precision(HIGH, reason)
             continue

@@ -100,6 +100,11 @@ def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Pass], 
     for p in passes:
         name = pass_name(p)
         out = p(gm, ctx)
+        if out is not None and not isinstance(out, fx.GraphModule):
+            raise TypeError(
+                f"fp4compile: pass {name!r} returned {type(out).__name__} {out!r:.60}; a pass returns the "
+                "GraphModule it was given (or another GraphModule), or None"
+            )
         if out is not None:
             gm = out
         ctx.record(stage, name, gm)
