@@ -2,9 +2,9 @@
 
 Pre-norm transformer blocks (LayerNorm -> causal self-attention -> residual, LayerNorm -> GELU MLP ->
 residual), learned absolute position embeddings, GPT-2 initialisation. Nothing in the model knows
-about FP4: the fp4compile backend finds its GEMMs from the traced graph. The module names are the ones
-the default Recipe relies on: transformer blocks in ``blocks`` (an ``nn.ModuleList``, so block
-indices are visible), the output projection ``lm_head``, embeddings ``tok_emb`` and ``pos_emb``.
+about FP4: the fp4compile backend finds its GEMMs from the traced graph and its blocks (the members of
+``blocks``) from its structure; the output projection ``lm_head`` is outside the blocks and the
+embeddings ``tok_emb`` and ``pos_emb`` are lookups, not GEMMs.
 
 All GEMM dimensions of the presets are multiples of 16, as NVFP4 blocks and 16x16 weight tiles need.
 """

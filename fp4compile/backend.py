@@ -43,6 +43,9 @@ class PlanWarning(UserWarning):
     part and why); given once per backend, and listed in ``Backend.report.warnings``."""
 
 INNER_COMPILERS = ("inductor", "eager")
+# What a copy of a Backend starts afresh: graph numbers, the root models' structures (weakly held, and
+# derived from the models) and the passes over the compiled graphs.
+_RUN_STATE = ("_graph_ids", "_structures", "_round", "_called", "_checked_coverage")
 CHECK_FINITE_ENV = "FP4COMPILE_CHECK_FINITE"
 
 
@@ -129,11 +132,12 @@ class Backend:
         """What ``copy.deepcopy`` and ``pickle`` keep: the settings (recipe, passes, inner compiler, mode,
         options) and the step; the report comes without its compilations (``Report.__getstate__``). A
         copy compiles its own graphs (an EMA copy of a compiled model gets a backend of its own)."""
-        return {k: v for k, v in self.__dict__.items() if k != "_graph_ids"}
+        return {k: v for k, v in self.__dict__.items() if k not in _RUN_STATE}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._graph_ids = itertools.count()
+        self._structures, self._round, self._called, self._checked_coverage = {}, set(), set(), False
 
     # -- training-time controls ----------------------------------------------------------------
 

@@ -193,20 +193,29 @@ def parameter_name(node: fx.Node, gm: fx.GraphModule, root: Optional[str] = None
     return f"{stack[-1][0]}.{name}" if stack else name
 
 
+def _is_parameter_view(node: fx.Node) -> bool:
+    """A read of its first argument that keeps a parameter's values (a transpose, a cast)."""
+    return bool(node.args) and (
+        (node.op == "call_method" and node.target in _PARAMETER_VIEW_METHODS)
+        or (node.op == "call_function" and node.target in _PARAMETER_VIEW_FUNCTIONS)
+        or (node.op == "call_function" and node.target is getattr and node.args[1] in _PARAMETER_VIEW_ATTRIBUTES)
+    )
+
+
+def _through_views(node):
+    """The node a chain of parameter views (transposes, casts) starts from."""
+    while isinstance(node, fx.Node) and _is_parameter_view(node):
+        node = node.args[0]
+    return node
+
+
 def _reads_parameter(node, gm: fx.GraphModule, root: Optional[str], names=None) -> Optional[str]:
     """The parameter ``node`` is, through transposes and casts (``W``, ``W.t()``, ``W.T``, ``W.to(bf16)``);
     ``names(node)`` gives a node's parameter name where the caller knows it (regions, root model)."""
     while isinstance(node, fx.Node):
         name = names(node) if names is not None else parameter_name(node, gm, root)
-        if name is not None:
+        if name is not None or not _is_parameter_view(node):
             return name
-        is_view = (
-            (node.op == "call_method" and node.target in _PARAMETER_VIEW_METHODS)
-            or (node.op == "call_function" and node.target in _PARAMETER_VIEW_FUNCTIONS)
-            or (node.op == "call_function" and node.target is getattr and node.args[1] in _PARAMETER_VIEW_ATTRIBUTES)
-        )
-        if not is_view or not node.args:
-            return None
         node = node.args[0]
     return None
 
@@ -387,7 +396,7 @@ class _Scan:
 
     def parameter_names(self, node: fx.Node) -> tuple:
         """Every qualified name of the parameter ``node`` reads (a tied weight has several)."""
-        while isinstance(node, fx.Node) and node.op == "placeholder" and node.name in self.bound:
+        if isinstance(node, fx.Node) and node.op == "placeholder" and node.name in self.bound:
             scan, operand = self.bound[node.name]
             return scan.parameter_names(_through_views(operand))
         if isinstance(node, fx.Node) and node.op == "placeholder" and node.name in self.ctx.parameter_names:
@@ -397,17 +406,6 @@ class _Scan:
 
     def reads_parameter(self, node) -> Optional[str]:
         return _reads_parameter(node, self.gm, self.root, self.parameter)
-
-
-def _through_views(node):
-    """The node a chain of parameter views (transposes, casts) starts from."""
-    while isinstance(node, fx.Node) and node.args and (
-        (node.op == "call_method" and node.target in _PARAMETER_VIEW_METHODS)
-        or (node.op == "call_function" and node.target in _PARAMETER_VIEW_FUNCTIONS)
-        or (node.op == "call_function" and node.target is getattr and node.args[1] in _PARAMETER_VIEW_ATTRIBUTES)
-    ):
-        node = node.args[0]
-    return node
 
 
 def _holds_gemms(gm: fx.GraphModule) -> bool:

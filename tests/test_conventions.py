@@ -30,8 +30,10 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _all_fp4(**kw) -> dict:
-    """Backend settings with every GEMM in FP4 (no first/last blocks kept in high precision)."""
-    return {"high_precision_first_blocks": 0, "high_precision_last_blocks": 0, "inner": "eager", **kw}
+    """Backend settings with every GEMM in FP4 (no first/last blocks, nor the layers outside the blocks,
+    kept in high precision)."""
+    return {"high_precision_first_blocks": 0, "high_precision_last_blocks": 0,
+            "high_precision_outside_blocks": False, "inner": "eager", **kw}
 
 
 def _x(*shape, seed=1, dtype=torch.float32):
@@ -114,6 +116,7 @@ def test_the_string_form_rejects_what_the_instance_form_rejects():
         ("high_precision_first_blocks", "2"),
         ("high_precision_last_blocks", -1),
         ("high_precision_modules", [1, 2]),
+        ("high_precision_outside_blocks", "no"),
         ("quantize_backward", None),
         ("seed", "abc"),
         ("switch_to_high_precision_at", "10"),

@@ -283,3 +283,37 @@ def test_multihead_attention_projections_are_listed_and_counted():
     high = sum(o.flops for o in projections) + sum(
         info.flops for s in ctx.sites for info in s.roles.values() if info.precision == "high")
     assert shares["high"] == pytest.approx(high / (fc_flops + sum(o.flops for o in projections)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("style", ["checkpoint", "per_block", "graph_break"])
+def test_styles_on_the_gpu_with_inductor(style):
+    """On a GPU with Inductor (bf16 autocast): the same plan as module calls, and the same forward and
+    gradients within the differences of Inductor fusing other graphs (FP4 GEMM operands are the same)."""
+
+    def gpu_run(style):
+        fp4compile.manual_seed(0)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Model(style).cuda()
+        backend = Backend(model=model if style == "per_block" else None)
+        if style == "per_block":
+            for name, block in model.layers.items():
+                model.layers[name] = torch.compile(block, backend=backend)
+            call = model
+        else:
+            call = torch.compile(model, backend=backend)
+        idx = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(1)).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = call(idx)
+        F.cross_entropy(logits.float().flatten(0, 1), idx.flatten()).backward()
+        grads = {n.replace("._orig_mod", ""): p.grad.float() for n, p in model.named_parameters()}
+        plan = {s.name: (s.block, s.precision, s.reason) for s in backend.report.sites if s.name != "output"}
+        return plan, logits.float().detach(), grads
+
+    plan, logits, grads = gpu_run(style)
+    ref_plan, ref_logits, ref_grads = gpu_run("modules")
+    assert plan == ref_plan and any(p == "nvfp4" for _, p, _ in plan.values())
+    torch.testing.assert_close(logits, ref_logits, rtol=2e-2, atol=2e-2)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=5e-2, atol=5e-3, msg=name)
