@@ -334,6 +334,27 @@ def test_block_paths_without_a_graph():
 # ------------------------------------------------------------------------- the hybrid example
 
 
+def test_hybrid_mamba_example_with_activation_checkpointing_keeps_its_plan():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import hybrid_mamba
+
+    threads = torch.get_num_threads()
+    plans, losses = [], []
+    try:
+        for flags in ([], ["--checkpoint"]):
+            torch._dynamo.reset()
+            out = hybrid_mamba.main(["--steps", "1", "--batch-size", "2", "--seq-len", "64", "--threads", "1", *flags])
+            plans.append({s.name: (s.block, s.precision, s.reason) for s in out["backend"].report.sites})
+            losses.append(out["losses"])
+    finally:
+        torch.set_num_threads(threads)
+    assert plans[0] == plans[1] and sum(p == "nvfp4" for _, p, _ in plans[0].values()) == 12
+    assert losses[0] == losses[1]
+
+
 def test_hybrid_mamba_example_trains_with_fp4_projections(capsys):
     import sys
     from pathlib import Path
