@@ -45,7 +45,7 @@ class PlanWarning(UserWarning):
 INNER_COMPILERS = ("inductor", "eager")
 # What a copy of a Backend starts afresh: graph numbers, the root models' structures (weakly held, and
 # derived from the models) and the passes over the compiled graphs.
-_RUN_STATE = ("_graph_ids", "_structures", "_round", "_called", "_checked_coverage")
+_RUN_STATE = ("_graph_ids", "_structures", "_roots", "_round", "_called", "_checked_coverage")
 CHECK_FINITE_ENV = "FP4COMPILE_CHECK_FINITE"
 
 
@@ -110,7 +110,8 @@ class Backend:
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"Backend(model=...) takes the root nn.Module, got {type(model).__name__}")
         self.model = model
-        self._structures: dict[int, ModelStructure] = {}  # id(root) -> its structure (weakly held)
+        self._structures: dict[int, ModelStructure] = {}  # id(module) -> its structure (weakly held)
+        self._roots: dict[int, ModelStructure] = {}  # those of the root models of compiled graphs
         self._warned: set[str] = set()
         self._round: set = set()  # graphs run since the SR stream last advanced (``_advance_for``)
         self._checked_coverage = False
@@ -137,7 +138,8 @@ class Backend:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._graph_ids = itertools.count()
-        self._structures, self._round, self._called, self._checked_coverage = {}, set(), set(), False
+        self._structures, self._roots, self._round, self._called = {}, {}, set(), set()
+        self._checked_coverage = False
 
     # -- training-time controls ----------------------------------------------------------------
 
@@ -189,7 +191,7 @@ class Backend:
         """After the first pass over the model: warn about GEMM weights of its middle blocks that no compiled
         graph reads (dynamo ran the code using them eagerly: they run in high precision)."""
         seen = {s.name.split("#", 1)[0] for s in self.report.sites}
-        for structure in self._structures.values():
+        for structure in self._roots.values():
             blocks = block_paths(structure.gemm_weights, None, structure.classes)
             first, last = self.recipe.high_precision_block_counts(len(blocks))
             middle = blocks[first: len(blocks) - last]
@@ -258,23 +260,33 @@ class Backend:
     def _structure(self, params: list) -> Optional[ModelStructure]:
         """The structure of the root model holding ``params``: ``Backend(model=...)``, else found from the
         modules on the call stack (``model_structure.find_root``); None where neither holds them."""
-        root = None
         if self.model is not None:
-            if ModelStructure(self.model).holds(params):
-                root = self.model
-            else:
-                self._warn(
-                    f"Backend(model={type(self.model).__name__}) does not hold the parameters of a compiled graph; "
-                    "naming its GEMMs from the module that is compiled instead"
-                )
-        if root is None:
-            root = find_root(params, _in_a_block)
+            structure = self._structure_of(self.model)
+            if structure.holds(params):
+                self._roots[id(self.model)] = structure
+                return structure
+            self._warn(
+                f"Backend(model={type(self.model).__name__}) does not hold the parameters of a compiled graph; "
+                "naming its GEMMs from the module that is compiled instead"
+            )
+        root = find_root(params, self._in_a_block)
         if root is None:
             return None
-        structure = self._structures.get(id(root))
-        if structure is None or structure.root() is not root:
-            structure = self._structures[id(root)] = ModelStructure(root)
+        structure = self._roots[id(root)] = self._structure_of(root)
         return structure
+
+    def _structure_of(self, module: torch.nn.Module) -> ModelStructure:
+        structure = self._structures.get(id(module))
+        if structure is None or structure.root() is not module:
+            structure = self._structures[id(module)] = ModelStructure(module)
+        return structure
+
+    def _in_a_block(self, model: torch.nn.Module, path: str) -> bool:
+        """Whether the module at ``path`` of ``model`` is one of its blocks or inside one (``find_blocks``'s
+        rules on the model's structure, every list taken as a stack)."""
+        structure = self._structure_of(model)
+        blocks = block_paths(structure.gemm_weights, None, structure.classes) if structure.gemm_weights else []
+        return any(path == b or path.startswith(b + ".") for b in blocks)
 
     def _warn(self, message: str, key: Optional[str] = None) -> None:
         """Warn once per backend and ``key`` (``PlanWarning``) and keep the line for the report."""
@@ -373,14 +385,6 @@ class Backend:
         """The recipe as this backend compiles with it, its automatic choices made (``decoded_operands``
         True or False, by whether the graphs are recorded in CUDA graphs): what a run should record."""
         return self._effective_recipe(self._inductor_config(0, quiet=True))
-
-
-def _in_a_block(model: torch.nn.Module, path: str) -> bool:
-    """Whether the module at ``path`` of ``model`` is one of its blocks or inside one (``find_blocks``'s
-    rules on the model's structure, every list taken as a stack)."""
-    structure = ModelStructure(model)
-    blocks = block_paths(structure.gemm_weights, None, structure.classes) if structure.gemm_weights else []
-    return any(path == b or path.startswith(b + ".") for b in blocks)
 
 
 def _all_high_precision(gm, ctx):
@@ -545,7 +549,7 @@ class _SwitchableGraph:
             model, names = None, None
             if self.scope is not None:
                 self.scope.rebase(gm, prefix)
-                model, names = self.scope.structure, self.scope.parameter_names(gm, args)
+                model, names = self.scope.structure, self.scope.parameter_names(args)
             if high_precision:
                 log.info("fp4compile: graph %d: recompiling in high precision", graph_id)
             with torch._guards.tracing(self.tracing_context), compile_gc.relaxed():
@@ -616,7 +620,7 @@ class _ModelScope:
         self._prefixes[id(param)] = (weakref.ref(param), prefix)
         return prefix
 
-    def parameter_names(self, gm: fx.GraphModule, args) -> dict[str, tuple]:
+    def parameter_names(self, args) -> dict[str, tuple]:
         """{placeholder name: the parameter's qualified names in the root} for the instance ``args`` holds."""
         names = {}
         for position, placeholder, _ in self.params:

@@ -97,6 +97,15 @@ class Model(nn.Module):
         return self.output(self.norm(x))
 
 
+class Wrapper(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx):
+        return self.model(idx)
+
+
 def compiled(style):
     """(model, what to call, backend) for ``style``."""
     torch.manual_seed(0)
@@ -109,6 +118,8 @@ def compiled(style):
     if style == "model_compile":
         model.compile(backend=backend)
         return model, model, backend
+    if style == "inside_a_wrapper":  # a training wrapper module around the compiled model
+        return model, Wrapper(torch.compile(model, backend=backend)), backend
     return model, torch.compile(model, backend=backend), backend
 
 
@@ -143,7 +154,7 @@ def test_the_plan_of_the_reference_style():
 
 STYLES = [
     "functional", "functional_in_submodule", "matmul", "checkpoint", "checkpoint_reentrant",
-    "selective_checkpoint", "per_block", "per_block_no_root", "model_compile", "graph_break",
+    "selective_checkpoint", "per_block", "per_block_no_root", "model_compile", "graph_break", "inside_a_wrapper",
 ]
 
 
