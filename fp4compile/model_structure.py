@@ -35,8 +35,8 @@ class ModelStructure:
 
     ``names[id(p)]`` lists every qualified name of parameter ``p`` (a tied weight has several, in
     registration order); ``classes`` maps module paths to class names; ``gemm_weights`` lists the site
-    names of the model's 2-D parameters outside embedding tables, the GEMM weights ``find_blocks`` groups
-    into blocks whether or not the graph at hand computes them.
+    names of the 2-D parameters of the model's modules outside embedding tables, the GEMM weights
+    ``find_blocks`` groups into blocks whether or not the graph at hand computes them.
     """
 
     def __init__(self, root: torch.nn.Module):
@@ -60,7 +60,9 @@ class ModelStructure:
             for name, p in module.named_parameters(recurse=False):
                 full = f"{path}.{name}" if path else name
                 self.names.setdefault(id(p), []).append(full)
-                if p.dim() == 2 and not isinstance(module, _LOOKUP_MODULES):
+                # The root's own 2-D parameters are left to the graphs that use them (a position table
+                # is no GEMM weight; a GEMM on one is a site of the graph either way).
+                if p.dim() == 2 and path and not isinstance(module, _LOOKUP_MODULES):
                     self.gemm_weights.append(site_name(full))
         self.gemm_weights = list(dict.fromkeys(self.gemm_weights))
 
