@@ -192,7 +192,7 @@ class Backend:
         graph reads (dynamo ran the code using them eagerly: they run in high precision)."""
         seen = {s.name.split("#", 1)[0] for s in self.report.sites}
         for structure in self._roots.values():
-            blocks = block_paths(structure.gemm_weights, None, structure.classes)
+            blocks = _blocks(structure)
             first, last = self.recipe.high_precision_block_counts(len(blocks))
             middle = blocks[first: len(blocks) - last]
             missing = [w for w in structure.gemm_weights
@@ -284,9 +284,7 @@ class Backend:
     def _in_a_block(self, model: torch.nn.Module, path: str) -> bool:
         """Whether the module at ``path`` of ``model`` is one of its blocks or inside one (``find_blocks``'s
         rules on the model's structure, every list taken as a stack)."""
-        structure = self._structure_of(model)
-        blocks = block_paths(structure.gemm_weights, None, structure.classes) if structure.gemm_weights else []
-        return any(path == b or path.startswith(b + ".") for b in blocks)
+        return any(path == b or path.startswith(b + ".") for b in _blocks(self._structure_of(model)))
 
     def _warn(self, message: str, key: Optional[str] = None) -> None:
         """Warn once per backend and ``key`` (``PlanWarning``) and keep the line for the report."""
@@ -385,6 +383,11 @@ class Backend:
         """The recipe as this backend compiles with it, its automatic choices made (``decoded_operands``
         True or False, by whether the graphs are recorded in CUDA graphs): what a run should record."""
         return self._effective_recipe(self._inductor_config(0, quiet=True))
+
+
+def _blocks(structure: ModelStructure) -> list[str]:
+    """The blocks ``find_blocks`` sees in a model's own structure, every list taken as a stack."""
+    return block_paths(structure.gemm_weights, None, structure.classes) if structure.gemm_weights else []
 
 
 def _all_high_precision(gm, ctx):

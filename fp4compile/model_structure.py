@@ -66,9 +66,8 @@ class ModelStructure:
                     self.gemm_weights.append(site_name(full))
         self.gemm_weights = list(dict.fromkeys(self.gemm_weights))
 
-    def name_of(self, param: torch.Tensor, module_path: Optional[str] = None) -> Optional[str]:
-        """The qualified name of ``param`` in the root; for a tied weight, the one under ``module_path`` (the
-        module whose call computed the GEMM) where it has one there."""
+    def name_of(self, param: torch.Tensor) -> Optional[str]:
+        """The qualified name of ``param`` in the root (the first, for a tied weight)."""
         names = self.names.get(id(param))
         if names is None:
             root = self.root()
@@ -76,13 +75,7 @@ class ModelStructure:
                 return None
             self._index(root)  # parameters replaced since (a module swapped in)
             names = self.names.get(id(param))
-            if names is None:
-                return None
-        if module_path is not None:
-            for name in names:
-                if name.rsplit(".", 1)[0] == module_path:
-                    return name
-        return names[0]
+        return names[0] if names else None
 
     def holds(self, params: Iterable[torch.Tensor]) -> bool:
         return all(id(p) in self.names for p in params)
