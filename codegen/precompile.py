@@ -172,7 +172,7 @@ def _worker_pool() -> "_WorkerPool":
 
 def _active() -> bool:
     """Whether ``start`` compiles anything here: the switch on, compiled Triton kernels on a CUDA GPU."""
-    if not enabled() or not torch.cuda.is_available() or triton_kernels._interpreting():
+    if not enabled() or not torch.cuda.is_available() or triton_kernels.numerics._interpreting():
         return False
     return triton_kernels.available()[0]
 

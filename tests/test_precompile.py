@@ -112,7 +112,7 @@ def test_a_launch_waits_for_pending_compiles():
     events.append("launched")
     timer.join()
     assert events == ["compiled", "launched"] and float(amax) == 1.0
-    assert not tk._pending
+    assert not tk.launch._pending
 
 
 def test_ops_expose_their_implementations():
@@ -259,7 +259,7 @@ def test_plan_runs_each_distinct_node_once(monkeypatch):
     launches = precompile.plan(torch.fx.GraphModule(torch.nn.Module(), graph))
     assert calls == [(64, 32), (32, 64)]
     assert [launch[0].fn.__name__ for launch in launches] == ["_amax_kernel", "_quantize_rows_kernel"] * 2
-    assert [launch[2][7:9] for launch in launches if launch[0] is tk._quantize_rows_kernel] == [(64, 32), (32, 64)]
+    assert [launch[2][7:9] for launch in launches if launch[0] is tk.rows._quantize_rows_kernel] == [(64, 32), (32, 64)]
 
 
 def test_precompile_mode_from_the_setting():
