@@ -46,6 +46,7 @@ def main() -> int:
         return 2
     from triton.testing import do_bench
 
+    from fp4compile import config
     from fp4compile.codegen import cublaslt_gemm as cl
     from fp4compile.codegen import triton_kernels as tk
 
@@ -55,8 +56,8 @@ def main() -> int:
         return 2
 
     def emulated(mode, a, amax_a, b, amax_b):
-        os.environ[cl.ENV] = mode
-        return tk.emulated_scaled_mm(a, amax_a, b, amax_b)
+        with config.patch(emulated_gemm=mode):
+            return tk.emulated_scaled_mm(a, amax_a, b, amax_b)
 
     amax_a, amax_b = torch.tensor(3.0e-3, device="cuda"), torch.tensor(7.77e2, device="cuda")
     rows = []
@@ -75,7 +76,6 @@ def main() -> int:
         row = dict(gemm=name, M=m, N=n, K=k, same_bits=same, ms=times, tflops={key: 2 * m * n * k / t / 1e9 for key, t in times.items()})
         rows.append(row)
         print(f"{name:12s} {m:6d}x{n:6d}x{k:6d} same bits {same}  " + "  ".join(f"{key} {t * 1e3:7.1f} us" for key, t in times.items()), flush=True)
-    os.environ.pop(cl.ENV, None)
     total = {key: sum(r["ms"][key] for r in rows) for key in rows[0]["ms"]}
     print("per block: " + ", ".join(f"{key} {t:.3f} ms" for key, t in total.items()))
     result = dict(

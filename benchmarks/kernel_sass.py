@@ -44,7 +44,7 @@ QUANT_ARGS = {
 
 def kernel_specs(tk, arch: int = 90, extra: bool = False):
     """name -> (jit function, signature, constexprs, config key) for compute capability ``arch`` (the
-    hardware E4M3 conversion from sm_89 on, as ``triton_kernels._hw_e4m3`` chooses at launch). ``extra``:
+    hardware E4M3 conversion from sm_89 on, as ``triton_kernels.launch._hw_e4m3`` chooses at launch). ``extra``:
     also the 16x16 weight quantizer with swizzled scales, the own-amax fix-up pass and a device seed (the
     other specialization that converts block scales)."""
     e4m3 = int(arch >= 89)
@@ -59,15 +59,15 @@ def kernel_specs(tk, arch: int = 90, extra: bool = False):
     specs = {}
     for sr, name in ((0, "rne"), (1, "sr")):
         cfg = tk.CONFIGS["quantize_rows"]
-        specs[f"rows_{name}"] = (tk._quantize_rows_kernel, rows, dict(
+        specs[f"rows_{name}"] = (tk.rows._quantize_rows_kernel, rows, dict(
             TILE_ROWS=1, SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
             K_FIRST=k_first("quantize_rows"), ITERS=cfg.get("ITERS", 1), E4M3=e4m3), "quantize_rows")
         cfg = tk.CONFIGS["rht_quantize"]
-        specs[f"rht_{name}"] = (tk._rht_quantize_kernel, rht, dict(
+        specs[f"rht_{name}"] = (tk.rht._rht_quantize_kernel, rht, dict(
             SR=sr, SWIZZLE=0, FAKE=0, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
             K_FIRST=k_first("rht_quantize"), E4M3=e4m3), "rht_quantize")
-    for name, key, kernel, args in (("rows_rne_fake", "fake_rows", tk._quantize_rows_kernel, rows),
-                                    ("rht_rne_fake", "rht_quantize", tk._rht_quantize_kernel, rht)):
+    for name, key, kernel, args in (("rows_rne_fake", "fake_rows", tk.rows._quantize_rows_kernel, rows),
+                                    ("rht_rne_fake", "rht_quantize", tk.rht._rht_quantize_kernel, rht)):
         cfg = tk.CONFIGS[key]
         consts = dict(SR=0, SWIZZLE=0, FAKE=1, PASS=0, MIX=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
                       K_FIRST=k_first(key), E4M3=e4m3)
@@ -80,17 +80,17 @@ def kernel_specs(tk, arch: int = 90, extra: bool = False):
             "SR_T": "constexpr", "MIX_T": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
             "K_FIRST": "constexpr", "E4M3": "constexpr"}
     cfg = tk.CONFIGS["dual_quantize"]
-    specs["dual_sr_fake"] = (tk._dual_quantize_kernel, dual, dict(
+    specs["dual_sr_fake"] = (tk.rht._dual_quantize_kernel, dual, dict(
         SR=1, MIX=0, SR_T=1, MIX_T=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], K_FIRST=k_first("dual_quantize"),
         E4M3=e4m3),
         "dual_quantize")
     if extra:
         cfg = tk.CONFIGS["quantize_tiles"]
-        specs["tiles16_sr"] = (tk._quantize_rows_kernel, rows, dict(
+        specs["tiles16_sr"] = (tk.rows._quantize_rows_kernel, rows, dict(
             TILE_ROWS=16, SR=1, SWIZZLE=1, FAKE=0, PASS=2, MIX=1, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
             K_FIRST=k_first("quantize_tiles"), ITERS=1, E4M3=e4m3), "quantize_tiles")
     cfg = tk.CONFIGS["rht_amax"]
-    specs["wgrad_amax"] = (tk._rht_amax_kernel, amax, dict(
+    specs["wgrad_amax"] = (tk.rht._rht_amax_kernel, amax, dict(
         BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=cfg["ITERS"], K_FIRST=k_first("rht_amax")), "rht_amax")
     return specs
 

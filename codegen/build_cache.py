@@ -29,6 +29,8 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import filelock
 
+from fp4compile import config
+
 __all__ = [
     "KernelBuildError",
     "CacheEntry",
@@ -41,8 +43,6 @@ __all__ = [
     "list_entries",
 ]
 
-CACHE_ENV = "FP4COMPILE_CACHE_DIR"
-NVCC_ENV = "FP4COMPILE_NVCC"
 MANIFEST = "manifest.json"
 # Bump when the layout of an entry changes, so old entries are not mistaken for new ones.
 CACHE_FORMAT = 1
@@ -65,9 +65,8 @@ class KernelBuildError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    """Root of the kernel cache: ``$FP4COMPILE_CACHE_DIR``, else ``~/.cache/fp4compile``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fp4compile"
+    """Root of the kernel cache: ``fp4compile.config.cache_dir`` (``FP4COMPILE_CACHE_DIR``), else ``~/.cache/fp4compile``."""
+    return Path(config.cache_dir).expanduser() if config.cache_dir else Path.home() / ".cache" / "fp4compile"
 
 
 def _kernels_root() -> Path:
@@ -75,10 +74,10 @@ def _kernels_root() -> Path:
 
 
 def find_nvcc() -> Optional[str]:
-    """Path of nvcc: ``$FP4COMPILE_NVCC``, else ``$CUDA_HOME/bin/nvcc``, else nvcc on PATH; None if absent."""
-    env = os.environ.get(NVCC_ENV)
-    if env:
-        return env if Path(env).exists() else None
+    """Path of nvcc: ``fp4compile.config.nvcc`` (``FP4COMPILE_NVCC``), else ``$CUDA_HOME/bin/nvcc``, else nvcc
+    on PATH; None if absent."""
+    if config.nvcc:
+        return config.nvcc if Path(config.nvcc).exists() else None
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
         if home and (Path(home) / "bin" / "nvcc").exists():
             return str(Path(home) / "bin" / "nvcc")
@@ -243,7 +242,7 @@ def cached_build(
         (root / ".locks").mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a read-only or invalid cache location: complete entries were still served above
         raise KernelBuildError(
-            f"the kernel cache {root} is not writable ({exc}); set {CACHE_ENV} to a writable directory"
+            f"the kernel cache {root} is not writable ({exc}); set FP4COMPILE_CACHE_DIR (fp4compile.config.cache_dir) to a writable directory"
         ) from exc
     lock = filelock.FileLock(str(root / ".locks" / f"{key[:32]}.lock"))
     try:

@@ -10,7 +10,7 @@ directly, which is what :func:`mm_alpha` does:
     out[M, N] = cast(alpha * sum_k A[m, k] * B[n, k])      fp32 accumulation, fp32 alpha, one rounding
 
 The bindings are NVIDIA's ``nvmath-python`` (``pip install fp4compile[cuda]``); without them, or with
-``FP4COMPILE_EMULATED_GEMM=torch``, the emulation keeps ``torch.mm`` plus the epilogue kernel, with the
+``fp4compile.config.emulated_gemm = "torch"`` (``FP4COMPILE_EMULATED_GEMM=torch``), the emulation keeps ``torch.mm`` plus the epilogue kernel, with the
 same arithmetic up to the summation order. Split-K plans are restricted to reductions in fp32 (never in
 the output type), so every algorithm cuBLASLt may pick sums in fp32.
 
@@ -23,18 +23,16 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 import threading
 
 import numpy as np
 import torch
 
-__all__ = ["ENV", "Unsupported", "available", "enabled", "describe", "required", "log_fallback", "mm_alpha"]
+from fp4compile import config
+
+__all__ = ["Unsupported", "available", "enabled", "describe", "required", "log_fallback", "mm_alpha"]
 
 log = logging.getLogger("fp4compile.codegen")
-
-#: ``auto`` (default: cuBLASLt where it can run), ``cublaslt`` (required: an error if it cannot), ``torch``.
-ENV = "FP4COMPILE_EMULATED_GEMM"
 
 WORKSPACE_BYTES = 32 * 1024 * 1024  # the most a plan may ask for (what cuBLAS recommends for Hopper)
 _OUT_DTYPES = (torch.bfloat16, torch.float32)
@@ -58,13 +56,6 @@ def _bindings():
     return _state["lt"]
 
 
-def _mode() -> str:
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "cublaslt", "torch"):
-        raise ValueError(f"{ENV}={mode!r}: expected auto, cublaslt or torch")
-    return mode
-
-
 @functools.lru_cache(maxsize=None)
 def available() -> tuple[bool, str]:
     """(whether cuBLASLt GEMMs can run here, why or why not); fixed for the process, so asked once."""
@@ -81,13 +72,13 @@ def available() -> tuple[bool, str]:
 
 
 def enabled() -> bool:
-    """Whether the emulated GEMM uses :func:`mm_alpha` (``FP4COMPILE_EMULATED_GEMM``, logged once)."""
-    mode = _mode()
+    """Whether the emulated GEMM uses :func:`mm_alpha` (``config.emulated_gemm``, logged once)."""
+    mode = config.emulated_gemm
     if mode == "torch":
         return False
     ok, why = available()
     if not ok and mode == "cublaslt":
-        raise RuntimeError(f"{ENV}=cublaslt, but cuBLASLt GEMMs cannot run here: {why}")
+        raise RuntimeError(f"FP4COMPILE_EMULATED_GEMM=cublaslt, but cuBLASLt GEMMs cannot run here: {why}")
     key = ("logged", mode, ok)
     if key not in _state:
         _state[key] = True
@@ -106,15 +97,15 @@ def describe() -> str:
     try:
         if enabled():
             return f"alpha in cuBLASLt's epilogue ({available()[1]})"
-    except (RuntimeError, ValueError) as err:
+    except RuntimeError as err:
         return f"not decided: {err}"
-    why = f"{ENV}=torch" if _mode() == "torch" else available()[1]
+    why = "FP4COMPILE_EMULATED_GEMM=torch" if config.emulated_gemm == "torch" else available()[1]
     return f"torch.mm to fp32 and an epilogue kernel ({why})"
 
 
 def required() -> bool:
-    """``FP4COMPILE_EMULATED_GEMM=cublaslt``: a problem cuBLASLt cannot take is an error, not a fallback."""
-    return _mode() == "cublaslt"
+    """``config.emulated_gemm == "cublaslt"``: a problem cuBLASLt cannot take is an error, not a fallback."""
+    return config.emulated_gemm == "cublaslt"
 
 
 def log_fallback(err: Exception) -> None:
@@ -254,7 +245,7 @@ def _plan(key, handle):
         lt.matmul_desc_destroy(desc)
         raise Unsupported(
             f"cuBLASLt has no algorithm for the emulated FP4 GEMM [{m}, {k}] x [{n}, {k}]^T -> {out_dtype} "
-            f"(alignments {aligns}): {reason}; {ENV}=torch uses torch.mm"
+            f"(alignments {aligns}): {reason}; FP4COMPILE_EMULATED_GEMM=torch uses torch.mm"
         )
     return dict(desc=desc, layouts=(layout_b, layout_a, layout_d), results=results)
 

@@ -14,7 +14,7 @@ for the pending compiles, so none compiles twice. A launch the plan did not fore
 misaligned at run time, say) compiles when it is made, as it did before: the warm-up changes when
 kernels compile, never what runs.
 
-Where they compile (``FP4COMPILE_PRECOMPILE``):
+Where they compile (``fp4compile.config.precompile``, ``FP4COMPILE_PRECOMPILE``):
 
 - ``1`` or ``threads`` (default): in a thread pool of the training process (the warm-up itself
   compiles). Triton's compiler releases the GIL for most of its work, not for its front end (the
@@ -30,9 +30,9 @@ Where they compile (``FP4COMPILE_PRECOMPILE``):
   workers started, and a kernel compiled under another ptxas's key would never be looked up.
 - ``0``: off; each kernel compiles at its first launch.
 
-``FP4COMPILE_PRECOMPILE_THREADS=N`` sets the number of workers, threads or processes (default
-``min(8, CPUs - 1)`` threads, ``min(4, CPUs - 1)`` processes: each imports torch, and a graph has about
-five kernels). A worker that fails leaves its kernels to compile at their first launch.
+``config.precompile_threads`` (``FP4COMPILE_PRECOMPILE_THREADS=N``) sets the number of workers, threads
+or processes (default ``min(8, CPUs - 1)`` threads, ``min(4, CPUs - 1)`` processes: each imports torch,
+and a graph has about five kernels). A worker that fails leaves its kernels to compile at their first launch.
 """
 
 from __future__ import annotations
@@ -52,14 +52,11 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fp4compile import ops
+from fp4compile import config, ops
 
 from . import triton_kernels
 
 log = logging.getLogger("fp4compile")
-
-ENV = "FP4COMPILE_PRECOMPILE"
-THREADS_ENV = "FP4COMPILE_PRECOMPILE_THREADS"
 
 # The ops whose implementations launch only Triton kernels and torch operations; fp4.scaled_mm only
 # with the emulation kernel (a CUTLASS kernel is built and run by its own code, which a plan must not do).
@@ -88,15 +85,9 @@ _no_processes: list = []  # why worker processes could not start, if they could 
 
 
 def mode() -> str:
-    """Where the kernels compile: "threads" (default), "processes" or "off" (``FP4COMPILE_PRECOMPILE``)."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in ("", "1", "true", "yes", "on", "threads"):
-        return "threads"
-    if value == "processes":
-        return "threads" if _no_processes else "processes"
-    if value in ("0", "false", "no", "off"):
-        return "off"
-    raise ValueError(f"{ENV}={value!r}: expected 1 or threads (the default), processes, or 0 (off)")
+    """Where the kernels compile: ``config.precompile`` ("threads", "processes" or "off"), but threads where
+    worker processes could not start."""
+    return "threads" if config.precompile == "processes" and _no_processes else config.precompile
 
 
 def enabled() -> bool:
@@ -104,17 +95,10 @@ def enabled() -> bool:
 
 
 def pool_size(processes: bool = False) -> int:
-    """Workers compiling in the background: ``FP4COMPILE_PRECOMPILE_THREADS``, else min(8, CPUs - 1)
-    threads or min(4, CPUs - 1) processes (each imports torch; a graph has a handful of kernels)."""
-    value = os.environ.get(THREADS_ENV, "").strip()
-    if value:
-        try:
-            size = int(value)
-        except ValueError:
-            size = 0
-        if size < 1:
-            raise ValueError(f"{THREADS_ENV}={value!r}: expected a whole number of workers, 1 or more")
-        return size
+    """Workers compiling in the background: ``config.precompile_threads``, else min(8, CPUs - 1) threads
+    or min(4, CPUs - 1) processes (each imports torch; a graph has a handful of kernels)."""
+    if config.precompile_threads is not None:
+        return config.precompile_threads
     return max(1, min(4 if processes else 8, (os.cpu_count() or 2) - 1))
 
 
@@ -188,7 +172,7 @@ def _worker_pool() -> "_WorkerPool":
 
 def _active() -> bool:
     """Whether ``start`` compiles anything here: the switch on, compiled Triton kernels on a CUDA GPU."""
-    if not enabled() or not torch.cuda.is_available() or triton_kernels._interpreting():
+    if not enabled() or not torch.cuda.is_available() or triton_kernels.numerics._interpreting():
         return False
     return triton_kernels.available()[0]
 

@@ -4,7 +4,7 @@
     model = torch.compile(model, backend="nvfp4")
 """
 
-from . import formats, ops, runtime
+from . import config, formats, ops, runtime
 from .backend import Backend, PlanWarning, get_backend, nvfp4_backend
 from .explain import explain
 from .passes.pipeline import precision_pass, print_pipeline
@@ -21,6 +21,7 @@ __all__ = [
     "GemmSite",
     "Recipe",
     "Report",
+    "config",
     "explain",
     "formats",
     "get_backend",

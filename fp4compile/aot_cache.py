@@ -16,11 +16,11 @@ What those passes would have logged is kept next to the entry (``Record``): the 
 precision for a reason are logged again on a hit. The report's forward and backward graphs, which the
 passes record, are rebuilt when the report is first read (``CompileContext.restore``).
 
-``FP4COMPILE_AOT_CACHE=0`` keeps fp4compile's graphs out of the cache (each start traces and rewrites
-them again; Inductor's FX graph cache still serves the compiled kernels). Graphs are also kept out
-while ``print_ir_after`` or ``FP4COMPILE_PRINT_IR_AFTER`` names a forward/backward pass: a hit would
-print nothing; and on GPUs that run CUTLASS kernels (Blackwell), where whether a GEMM gets one depends
-on its build succeeding on that machine.
+``fp4compile.config.aot_cache = False`` (``FP4COMPILE_AOT_CACHE=0``) keeps fp4compile's graphs out of the
+cache (each start traces and rewrites them again; Inductor's FX graph cache still serves the compiled
+kernels). Graphs are also kept out while ``print_ir_after`` or ``config.print_ir_after`` names a
+forward/backward pass: a hit would print nothing; and on GPUs that run CUTLASS kernels (Blackwell),
+where whether a GEMM gets one depends on its build succeeding on that machine.
 """
 
 from __future__ import annotations
@@ -38,15 +38,13 @@ import torch
 
 log = logging.getLogger("fp4compile")
 
-ENV = "FP4COMPILE_AOT_CACHE"
 # The functions of fp4compile that dynamo graphs call, by the name AOTAutograd's check gives them.
 FUNCTIONS = ("fp4compile.ops.fp4_linear", "fp4compile.ops.fp4_matmul")
 # fp4compile's settings that change how or where things are compiled or cached, never what the passes
 # make of a graph: left out of the key, so that changing one still finds Inductor's FX graph cache (whose
-# key holds this one). Every other FP4COMPILE_* variable is in the key.
-RUNTIME_ONLY_ENV = (
-    ENV, "FP4COMPILE_CACHE_DIR", "FP4COMPILE_NVCC", "FP4COMPILE_COMPILE_GC_THRESHOLD", "FP4COMPILE_PRECOMPILE",
-    "FP4COMPILE_PRECOMPILE_THREADS", "FP4COMPILE_PRINT_IR_AFTER",
+# key holds this one). Every other setting of ``fp4compile.config`` is in the key.
+RUNTIME_ONLY_SETTINGS = (
+    "aot_cache", "cache_dir", "nvcc", "compile_gc_threshold", "precompile", "precompile_threads", "print_ir_after",
 )
 # Other environment variables the passes' choices depend on.
 OTHER_ENV = ("TRITON_INTERPRET", "CUDA_HOME", "CUDA_PATH")
@@ -54,11 +52,11 @@ OTHER_ENV = ("TRITON_INTERPRET", "CUDA_HOME", "CUDA_PATH")
 
 def enabled(print_ir_after=None, example_inputs=()) -> tuple[bool, str]:
     """(whether fp4compile's graphs, compiled for ``example_inputs``, go into AOTAutograd's cache, why not)."""
-    from fp4compile import runtime
+    from fp4compile import config
     from fp4compile.passes import pipeline
 
-    if not runtime.env_flag(ENV, True):
-        return False, f"{ENV}=0"
+    if not config.aot_cache:
+        return False, "fp4compile.config.aot_cache is off (FP4COMPILE_AOT_CACHE=0)"
     if any(pipeline._print_after(print_ir_after, pipeline.pass_name(p)) for p in pipeline.AOT_PASSES):
         return False, "the passes print their graphs while compiling"
     for device in {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}:
@@ -106,7 +104,7 @@ def _devices(example_inputs) -> list:
 
 def digest(ctx, example_inputs, grad_buffers=()) -> str:
     """The key of everything besides the dynamo graph that decides what fp4compile makes of it."""
-    from fp4compile import distributed
+    from fp4compile import config, distributed
     from fp4compile.codegen import triton_kernels
     from fp4compile.passes import pipeline
 
@@ -121,10 +119,8 @@ def digest(ctx, example_inputs, grad_buffers=()) -> str:
         "model": None if ctx.model is None else [ctx.model.gemm_weights, sorted(ctx.parameter_names.items())],
         "grad_buffers": list(grad_buffers),
         "sharded_amax": distributed.cache_state(ctx.sharded_amax),
-        "env": sorted(
-            (k, v) for k, v in os.environ.items()
-            if (k.startswith("FP4COMPILE_") and k not in RUNTIME_ONLY_ENV) or k in OTHER_ENV
-        ),
+        "settings": {name: getattr(config, name) for name in config.SETTINGS if name not in RUNTIME_ONLY_SETTINGS},
+        "env": sorted((k, v) for k, v in os.environ.items() if k in OTHER_ENV),
         "devices": _devices(example_inputs),
         "triton": list(triton_kernels.available()),
     }

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from fp4compile import aot_cache, compile_gc, grad_buffers, runtime
+from fp4compile import aot_cache, compile_gc, config, grad_buffers, runtime
 from fp4compile.passes import pipeline
 from fp4compile.model_structure import ModelStructure, find_root
 from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, module_path, parameter_name, regions
@@ -46,7 +46,6 @@ INNER_COMPILERS = ("inductor", "eager")
 # What a copy of a Backend starts afresh: graph numbers, the root models' structures (weakly held, and
 # derived from the models) and the passes over the compiled graphs.
 _RUN_STATE = ("_graph_ids", "_structures", "_roots", "_round", "_called", "_checked_coverage")
-CHECK_FINITE_ENV = "FP4COMPILE_CHECK_FINITE"
 
 
 class Backend:
@@ -71,7 +70,8 @@ class Backend:
     and a block compiled on its own is placed in the module whose ``forward`` calls it; without either,
     a compiled module with no repeated blocks of its own gets a warning saying so.
     The backend keeps a ``report`` of its compilations (sites, precisions, kernels, graphs).
-    ``FP4COMPILE_CHECK_FINITE=1`` in the environment (read here) turns on ``Recipe.check_finite``.
+    ``fp4compile.config.check_finite`` (``FP4COMPILE_CHECK_FINITE=1``), as it is when the backend is made,
+    turns on ``Recipe.check_finite``.
     """
 
     def __init__(
@@ -96,7 +96,7 @@ class Backend:
             )
         recipe = recipe or Recipe()
         recipe = recipe.replace(**recipe_fields) if recipe_fields else recipe
-        if runtime.env_flag(CHECK_FINITE_ENV, False):
+        if config.check_finite:
             recipe = recipe.replace(check_finite=True)
         self.recipe = recipe
         self.passes = list(passes)

@@ -17,8 +17,8 @@ compilation, forward and backward):
   only what the compilation made. They are unfrozen when it ends, into the oldest generation: garbage
   among them is collected by the next full collection.
 
-On exit the thresholds the process had are restored. ``FP4COMPILE_COMPILE_GC_THRESHOLD=N`` (read when a
-compilation starts) sets the first threshold; ``0`` leaves the collector alone (no threshold change, no
+On exit the thresholds the process had are restored. ``fp4compile.config.compile_gc_threshold``
+(``FP4COMPILE_COMPILE_GC_THRESHOLD=N``) sets the first threshold; ``0`` leaves the collector alone (no threshold change, no
 freeze). Nothing changes where the collector is disabled or already has a first threshold at least as
 high. Nothing is frozen where the process has frozen objects of its own (``gc.get_freeze_count()``),
 which an unfreeze would release; and where something else freezes objects during the compilation, the
@@ -36,28 +36,13 @@ import logging
 import os
 import threading
 
+from fp4compile import config
+
 log = logging.getLogger("fp4compile")
 
-ENV = "FP4COMPILE_COMPILE_GC_THRESHOLD"
-DEFAULT_THRESHOLD = 50_000
-MAX_THRESHOLD = 2**31 - 1
 
 _lock = threading.Lock()
 _state = {"depth": 0, "saved": None, "set": None, "frozen": None}
-
-
-def threshold() -> int:
-    """The first GC threshold while compiling (``FP4COMPILE_COMPILE_GC_THRESHOLD``; 0: no change)."""
-    value = os.environ.get(ENV, "").strip()
-    if not value:
-        return DEFAULT_THRESHOLD
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"{ENV} must be a whole number of allocations (0 leaves the collector alone), got {value!r}")
-    if not 0 <= n <= MAX_THRESHOLD:
-        raise ValueError(f"{ENV} must be between 0 and {MAX_THRESHOLD}, got {n}")
-    return n
 
 
 def _restore() -> None:
@@ -76,7 +61,7 @@ def _restore() -> None:
 
 
 def _enter() -> None:
-    wanted = threshold()  # a bad value raises here, before any state changes
+    wanted = config.compile_gc_threshold
     with _lock:
         _state["depth"] += 1
         if _state["depth"] > 1:

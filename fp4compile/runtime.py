@@ -24,7 +24,6 @@ non-finite error of ``Recipe(check_finite=True)`` can say when it happened.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Callable, NamedTuple, Optional
 
@@ -32,12 +31,6 @@ import torch
 
 _MASK64 = (1 << 64) - 1
 
-
-def env_flag(name: str, default: bool) -> bool:
-    """An on/off switch from the environment: unset or empty gives ``default``; "0", "false", "no" and
-    "off" (any case) turn it off, anything else on."""
-    value = os.environ.get(name, "").strip().lower()
-    return default if not value else value not in ("0", "false", "no", "off")
 
 _lock = threading.Lock()
 _state = {"seed": None, "step": 0}  # seed None: the base comes from torch's generator

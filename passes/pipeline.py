@@ -9,17 +9,17 @@ aot_autograd traces from the marked graph (they see the three role-tagged GEMMs 
                       -> fuse_rht_quantize -> decode_for_emulation -> fuse_amax
 
 Every pass is ``fn(gm, ctx) -> gm`` in its own module, with a docstring saying what it requires and
-guarantees. ``print_pipeline()`` prints this list; ``FP4COMPILE_PRINT_IR_AFTER=all`` (or a comma list
-of pass names) prints the graph after those passes while compiling.
+guarantees. ``print_pipeline()`` prints this list; ``fp4compile.config.print_ir_after`` (``FP4COMPILE_PRINT_IR_AFTER``:
+"all" or a comma list of pass names) prints the graph after those passes while compiling.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Sequence
 
 import torch.fx as fx
 
+from fp4compile import config
 from fp4compile.sites import CompileContext
 
 from .assign_precision import assign_precision
@@ -88,7 +88,7 @@ def print_pipeline(user_passes: Sequence[Pass] = ()) -> str:
 
 
 def _print_after(selection, name: str) -> bool:
-    selection = selection if selection is not None else os.environ.get("FP4COMPILE_PRINT_IR_AFTER", "")
+    selection = selection if selection is not None else config.print_ir_after
     if not selection:
         return False
     names = {s.strip() for s in (selection.split(",") if isinstance(selection, str) else selection)}

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fp4compile
-from fp4compile import Backend, Recipe, aot_cache, distributed
+from fp4compile import Backend, Recipe, aot_cache, config, distributed
 from fp4compile.passes import pipeline
 from fp4compile.sites import CompileContext, GemmSite
 from models import TinyGPT, grads, lm_loss
@@ -28,9 +28,8 @@ def caches(monkeypatch, tmp_path):
     from torch._inductor import config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv(aot_cache.ENV, raising=False)
-    monkeypatch.delenv("FP4COMPILE_PRINT_IR_AFTER", raising=False)
-    with inductor_config.patch(fx_graph_cache=True), torch._functorch.config.patch(enable_autograd_cache=True):
+    with inductor_config.patch(fx_graph_cache=True), torch._functorch.config.patch(enable_autograd_cache=True), \
+            config.patch(aot_cache=True, print_ir_after=""):
         yield tmp_path
 
 
@@ -182,17 +181,15 @@ def test_a_hit_without_its_record_runs_the_passes_again_at_once(caches, caplog):
     assert ctx._rebuild is None and {g.stage for g in ctx.graphs} == {"dynamo", "forward", "backward"}
 
 
-@pytest.mark.parametrize("switch", ["env", "print_ir_after"])
-def test_graphs_stay_out_of_the_cache_when_switched_off_or_printed(caches, monkeypatch, switch, capsys):
+@pytest.mark.parametrize("switch", ["config", "print_ir_after"])
+def test_graphs_stay_out_of_the_cache_when_switched_off_or_printed(caches, switch, capsys):
     def backend():
-        if switch == "env":
-            monkeypatch.setenv(aot_cache.ENV, "0")
-            return Backend()
-        return Backend(print_ir_after="fuse_amax")
+        return Backend() if switch == "config" else Backend(print_ir_after="fuse_amax")
 
-    start(backend())
-    warm = backend()
-    _, _, counts = start(warm)
+    with config.patch(aot_cache=switch != "config"):
+        start(backend())
+        warm = backend()
+        _, _, counts = start(warm)
     assert not counts.get("autograd_cache_hit") and counts.get("autograd_cache_bypass") == 1
     assert not warm.report.contexts[0].from_cache
     if switch == "print_ir_after":
@@ -208,7 +205,6 @@ def _context(**recipe) -> CompileContext:
 
 def test_the_key_covers_recipe_sites_passes_settings_and_sharded_amax(monkeypatch):
     inputs = [torch.zeros(2, 32)]
-    monkeypatch.delenv("FP4COMPILE_TEST_SETTING", raising=False)
     base = aot_cache.digest(_context(), inputs)
     assert aot_cache.digest(_context(), inputs) == base  # stable
     assert aot_cache.digest(_context(rht=False), inputs) != base
@@ -217,9 +213,11 @@ def test_the_key_covers_recipe_sites_passes_settings_and_sharded_amax(monkeypatc
     assert aot_cache.digest(high, inputs) != base
     assert aot_cache.digest(_context(), inputs, grad_buffers=["logits"]) != base
     assert aot_cache.digest(_context(), [torch.zeros(2, 32, dtype=torch.bfloat16, device="meta")]) != base
-    monkeypatch.setenv("FP4COMPILE_TEST_SETTING", "1")  # every FP4COMPILE_* setting
-    assert aot_cache.digest(_context(), inputs) != base
-    monkeypatch.delenv("FP4COMPILE_TEST_SETTING")
+    changed = dict(check_finite=True, emulated_gemm="torch")
+    assert set(changed) == set(config.SETTINGS) - set(aot_cache.RUNTIME_ONLY_SETTINGS)  # every other setting
+    for name, value in changed.items():
+        with config.patch(**{name: value}):
+            assert aot_cache.digest(_context(), inputs) != base, name
     monkeypatch.setattr(pipeline, "AOT_PASSES", [*pipeline.AOT_PASSES, _aot_fallback])  # another pipeline
     assert aot_cache.digest(_context(), inputs) != base
     monkeypatch.undo()
@@ -230,9 +228,11 @@ def test_the_key_covers_recipe_sites_passes_settings_and_sharded_amax(monkeypatc
         distributed.clear()
     assert aot_cache.digest(sharded, inputs) != base
     assert aot_cache.digest(_context(), inputs) == base
-    for runtime_only in aot_cache.RUNTIME_ONLY_ENV:  # how things compile, not what: left out
-        monkeypatch.setenv(runtime_only, "1")
-    assert aot_cache.digest(_context(), inputs) == base
+    runtime_only = dict(aot_cache=False, cache_dir="elsewhere", nvcc="nvcc", compile_gc_threshold=1, precompile="off",
+                        precompile_threads=1, print_ir_after="all")
+    assert set(runtime_only) == set(aot_cache.RUNTIME_ONLY_SETTINGS)
+    with config.patch(**runtime_only):  # how things compile, not what: left out
+        assert aot_cache.digest(_context(), inputs) == base
 
 
 def test_config_patches_mark_fp4compile_functions_and_keep_others():
@@ -249,17 +249,15 @@ def test_config_patches_mark_fp4compile_functions_and_keep_others():
     )
 
 
-def test_enabled_by_default_and_off_by_switch(monkeypatch):
-    monkeypatch.delenv(aot_cache.ENV, raising=False)
-    monkeypatch.delenv("FP4COMPILE_PRINT_IR_AFTER", raising=False)
+@config.patch(aot_cache=True, print_ir_after="")
+def test_enabled_by_default_and_off_by_switch():
     assert aot_cache.enabled() == (True, "")
     assert aot_cache.enabled(print_ir_after="dynamo_only_name")[0]  # no aot-level pass printed
     assert not aot_cache.enabled(print_ir_after="all")[0]
-    monkeypatch.setenv("FP4COMPILE_PRINT_IR_AFTER", "lower_scaled_mm")
-    assert not aot_cache.enabled()[0]
-    monkeypatch.delenv("FP4COMPILE_PRINT_IR_AFTER")
-    monkeypatch.setenv(aot_cache.ENV, "0")
-    assert aot_cache.enabled() == (False, f"{aot_cache.ENV}=0")
+    with config.patch(print_ir_after="lower_scaled_mm"):
+        assert not aot_cache.enabled()[0]
+    with config.patch(aot_cache=False):
+        assert aot_cache.enabled() == (False, "fp4compile.config.aot_cache is off (FP4COMPILE_AOT_CACHE=0)")
 
 
 @pytest.mark.gpu

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fp4compile import config as settings
 from fp4compile import formats
 from fp4compile.codegen import build_cache, cutlass_gemm
 from fp4compile.codegen.cutlass_gemm import GemmConfig, KernelBuildError
@@ -278,8 +279,6 @@ def fake_nvcc(tmp_path, monkeypatch):
     script.chmod(0o755)
     log = tmp_path / "nvcc.log"
     log.touch()
-    monkeypatch.setenv("FP4COMPILE_NVCC", str(script))
-    monkeypatch.setenv("FP4COMPILE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("FAKE_NVCC_LOG", str(log))
     monkeypatch.delenv("FAKE_NVCC_FAIL", raising=False)
     monkeypatch.delenv("FAKE_NVCC_SLEEP", raising=False)
@@ -289,7 +288,8 @@ def fake_nvcc(tmp_path, monkeypatch):
     def kernel_compiles() -> int:
         return sum("-c" in json.loads(line)["args"] for line in log.read_text().splitlines())
 
-    return kernel_compiles
+    with settings.patch(nvcc=str(script), cache_dir=str(tmp_path / "cache")):
+        yield kernel_compiles
 
 
 def _entries(root: Path) -> list[Path]:
@@ -297,12 +297,15 @@ def _entries(root: Path) -> list[Path]:
     return sorted(p for p in kernels.iterdir() if not p.name.startswith(".")) if kernels.exists() else []
 
 
-def test_cache_dir_honours_the_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("FP4COMPILE_CACHE_DIR", str(tmp_path / "elsewhere"))
-    assert cutlass_gemm.cache_dir() == tmp_path / "elsewhere"
-    monkeypatch.delenv("FP4COMPILE_CACHE_DIR")
+def test_cache_dir_honours_the_setting(monkeypatch, tmp_path):
+    with settings.patch(cache_dir=str(tmp_path / "elsewhere")):
+        assert cutlass_gemm.cache_dir() == tmp_path / "elsewhere"
+    assert settings.from_environment({"FP4COMPILE_CACHE_DIR": "~/cache"})["cache_dir"] == "~/cache"
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert cutlass_gemm.cache_dir() == tmp_path / ".cache" / "fp4compile"
+    with settings.patch(cache_dir=None):
+        assert cutlass_gemm.cache_dir() == tmp_path / ".cache" / "fp4compile"
+    with settings.patch(cache_dir="~/cache"):
+        assert cutlass_gemm.cache_dir() == tmp_path / "cache"
 
 
 def test_second_build_runs_no_compiler(fake_nvcc, monkeypatch, tmp_path):
@@ -371,10 +374,10 @@ def test_cache_key_covers_config_arch_and_compiler(fake_nvcc, monkeypatch, tmp_p
     # Another compiler version is another key (nvcc_version is cached per path, so use a second copy).
     other = tmp_path / "bin2" / "nvcc"
     other.parent.mkdir()
-    shutil.copy2(os.environ["FP4COMPILE_NVCC"], other)
-    monkeypatch.setenv("FP4COMPILE_NVCC", str(other))
+    shutil.copy2(settings.nvcc, other)
     monkeypatch.setenv("FAKE_NVCC_RELEASE", (torch.version.cuda or "13.0").split(".")[0] + ".99")
-    assert cutlass_gemm.build(GemmConfig("1sm", 128, "bf16"), progress=False).key not in keys
+    with settings.patch(nvcc=str(other)):
+        assert cutlass_gemm.build(GemmConfig("1sm", 128, "bf16"), progress=False).key not in keys
     assert len(_entries(tmp_path / "cache")) == 5
 
 
@@ -385,8 +388,9 @@ def test_concurrent_builds_in_two_processes_compile_once(fake_nvcc, monkeypatch,
         "r = g.build(g.GemmConfig('1sm', 256, 'bf16'), progress=True)\n"
         "print(r.entry_dir, r.from_cache)\n"
     )
+    env = dict(os.environ, FP4COMPILE_NVCC=settings.nvcc, FP4COMPILE_CACHE_DIR=settings.cache_dir)  # the fixture's
     procs = [
-        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for _ in range(2)
     ]
     results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
@@ -407,17 +411,16 @@ def test_compiler_failure_raises_with_its_stderr(fake_nvcc, monkeypatch, tmp_pat
         cutlass_gemm.build(GemmConfig(), progress=False)
     assert "fake compiler failure" in info.value.stderr
     assert "fake compiler failure" in str(info.value)
-    assert info.value.command[0] == os.environ["FP4COMPILE_NVCC"]
+    assert info.value.command[0] == settings.nvcc
     assert _entries(tmp_path / "cache") == []
     assert [p for p in (tmp_path / "cache" / "kernels").iterdir() if p.name.startswith(".tmp")] == []
 
 
-def test_missing_compiler_raises(monkeypatch, tmp_path):
-    monkeypatch.setenv("FP4COMPILE_NVCC", str(tmp_path / "no-nvcc"))
-    monkeypatch.setenv("FP4COMPILE_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(KernelBuildError, match="nvcc not found"):
-        cutlass_gemm.build(GemmConfig(), progress=False)
-    assert not cutlass_gemm.toolchain_available()[0]
+def test_missing_compiler_raises(tmp_path):
+    with settings.patch(nvcc=str(tmp_path / "no-nvcc"), cache_dir=str(tmp_path / "cache")):
+        with pytest.raises(KernelBuildError, match="nvcc not found"):
+            cutlass_gemm.build(GemmConfig(), progress=False)
+        assert not cutlass_gemm.toolchain_available()[0]
 
 
 def test_unsupported_arch_raises(fake_nvcc):
@@ -490,8 +493,8 @@ def test_cli_rejects_bad_shapes(fake_nvcc, capsys):
 
 def _toolchain_or_skip():
     ok, reason = cutlass_gemm.toolchain_available()
-    if not ok or os.environ.get("FP4COMPILE_NVCC"):
-        pytest.skip(reason if not ok else "FP4COMPILE_NVCC overrides the real nvcc")
+    if not ok or settings.nvcc:
+        pytest.skip(reason if not ok else "FP4COMPILE_NVCC (fp4compile.config.nvcc) overrides the real nvcc")
     if torch.version.cuda is not None:
         nvcc_major = build_cache.nvcc_release(build_cache.nvcc_version(cutlass_gemm.find_nvcc()))[0]
         if nvcc_major != int(torch.version.cuda.split(".")[0]):
@@ -499,15 +502,21 @@ def _toolchain_or_skip():
 
 
 @pytest.fixture(scope="module")
-def real_cache(tmp_path_factory):
+def real_cache_dir(tmp_path_factory):
     """A cache directory shared by the real-nvcc tests of this module (each kernel compiles once)."""
     return tmp_path_factory.mktemp("nvcc-cache")
+
+
+@pytest.fixture
+def real_cache(real_cache_dir):
+    """The shared cache directory, set as fp4compile's kernel cache for the test."""
+    with settings.patch(cache_dir=str(real_cache_dir)):
+        yield real_cache_dir
 
 
 @pytest.mark.nvcc
 def test_real_sm100a_build_uses_block_scaled_tcgen05(real_cache, monkeypatch):
     _toolchain_or_skip()
-    monkeypatch.setenv("FP4COMPILE_CACHE_DIR", str(real_cache))
     config = GemmConfig("1sm", 128, "bf16")
     result = cutlass_gemm.build(config, arch="sm_100a", progress=True)
     ptx = result.ptx.read_text()
@@ -527,7 +536,6 @@ def test_real_sm100a_build_uses_block_scaled_tcgen05(real_cache, monkeypatch):
 @pytest.mark.parametrize("m, n, k", [(1, 32, 32), (130, 64, 96), (256, 300, 512), (129, 257, 80)])
 def test_scale_layout_matches_cutlass(real_cache, monkeypatch, m, n, k):
     _toolchain_or_skip()
-    monkeypatch.setenv("FP4COMPILE_CACHE_DIR", str(real_cache))
     probe = cutlass_gemm.scale_layout_probe(m, n, k)
     kb = k // 16
     for operand, rows in (("SFA", m), ("SFB", n)):
@@ -581,22 +589,21 @@ def test_unwritable_cache_serves_complete_entries_and_reports_missing_ones(tmp_p
     (which the lowering turns into an emulation fallback), never an OSError mid-training."""
     from fp4compile.codegen import build_cache
 
-    monkeypatch.setenv(build_cache.CACHE_ENV, str(tmp_path / "cache"))
+    with settings.patch(cache_dir=str(tmp_path / "cache")):
+        def produce(out):
+            (out / "artifact.txt").write_text("built")
+            return ["artifact.txt"]
 
-    def produce(out):
-        (out / "artifact.txt").write_text("built")
-        return ["artifact.txt"]
+        first = build_cache.cached_build("probe", {"v": 1}, produce, progress=False)
+        assert not first.from_cache
+        real_mkdir = build_cache.Path.mkdir
 
-    first = build_cache.cached_build("probe", {"v": 1}, produce, progress=False)
-    assert not first.from_cache
-    real_mkdir = build_cache.Path.mkdir
+        def read_only(self, *args, **kwargs):
+            raise PermissionError(13, "Read-only file system", str(self))
 
-    def read_only(self, *args, **kwargs):
-        raise PermissionError(13, "Read-only file system", str(self))
-
-    monkeypatch.setattr(build_cache.Path, "mkdir", read_only)
-    again = build_cache.cached_build("probe", {"v": 1}, produce, progress=False)
-    assert again.from_cache and again.file("artifact.txt").read_text() == "built"
-    with pytest.raises(build_cache.KernelBuildError, match="not writable.*FP4COMPILE_CACHE_DIR"):
-        build_cache.cached_build("probe", {"v": 2}, produce, progress=False)
-    monkeypatch.setattr(build_cache.Path, "mkdir", real_mkdir)
+        monkeypatch.setattr(build_cache.Path, "mkdir", read_only)
+        again = build_cache.cached_build("probe", {"v": 1}, produce, progress=False)
+        assert again.from_cache and again.file("artifact.txt").read_text() == "built"
+        with pytest.raises(build_cache.KernelBuildError, match="not writable.*FP4COMPILE_CACHE_DIR"):
+            build_cache.cached_build("probe", {"v": 2}, produce, progress=False)
+        monkeypatch.setattr(build_cache.Path, "mkdir", real_mkdir)

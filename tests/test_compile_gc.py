@@ -11,20 +11,22 @@ import weakref
 import pytest
 import torch
 
-from fp4compile import Backend, compile_gc
+from fp4compile import Backend, compile_gc, config
 from fp4compile.passes import pipeline
 from models import TinyGPT, lm_loss
+
+DEFAULT_THRESHOLD = config.DEFAULTS["compile_gc_threshold"]
 
 
 @pytest.fixture(autouse=True)
 def gc_settings(monkeypatch):
     """Each test starts from Python's default thresholds with the collector on, and leaves them so."""
-    monkeypatch.delenv(compile_gc.ENV, raising=False)
     saved, enabled = gc.get_threshold(), gc.isenabled()
     assert gc.get_freeze_count() == 0
     gc.set_threshold(700, 10, 10)
     gc.enable()
-    yield
+    with config.patch(compile_gc_threshold=DEFAULT_THRESHOLD):
+        yield
     gc.unfreeze()
     gc.set_threshold(*saved)
     (gc.enable if enabled else gc.disable)()
@@ -33,7 +35,7 @@ def gc_settings(monkeypatch):
 def test_raises_the_first_threshold_and_restores_all_three():
     gc.set_threshold(700, 11, 12)
     with compile_gc.relaxed():
-        assert gc.get_threshold() == (compile_gc.DEFAULT_THRESHOLD, 11, 12)
+        assert gc.get_threshold() == (DEFAULT_THRESHOLD, 11, 12)
     assert gc.get_threshold() == (700, 11, 12)
 
 
@@ -83,7 +85,7 @@ def test_a_process_forked_during_a_compile_starts_with_the_collector_as_before()
         if pid == 0:  # the child: no compilation runs here
             ok = gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0 and compile_gc._state["depth"] == 0
             os._exit(0 if ok else 1)
-        assert gc.get_threshold()[0] == compile_gc.DEFAULT_THRESHOLD  # the parent's compile goes on
+        assert gc.get_threshold()[0] == DEFAULT_THRESHOLD  # the parent's compile goes on
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 
@@ -94,7 +96,7 @@ def test_objects_frozen_by_the_process_stay_frozen():
     gc.freeze()
     frozen = gc.get_freeze_count()
     with compile_gc.relaxed():
-        assert gc.get_threshold()[0] == compile_gc.DEFAULT_THRESHOLD  # the threshold is still raised
+        assert gc.get_threshold()[0] == DEFAULT_THRESHOLD  # the threshold is still raised
         assert gc.get_freeze_count() == frozen
     assert gc.get_freeze_count() == frozen  # not unfrozen by the compile's exit
     del cycle
@@ -105,8 +107,8 @@ def test_objects_frozen_by_the_process_stay_frozen():
 def test_nested_and_concurrent_compiles_share_one_relaxation():
     with compile_gc.relaxed():
         with compile_gc.relaxed():
-            assert gc.get_threshold()[0] == compile_gc.DEFAULT_THRESHOLD
-        assert gc.get_threshold()[0] == compile_gc.DEFAULT_THRESHOLD  # the inner exit restores nothing
+            assert gc.get_threshold()[0] == DEFAULT_THRESHOLD
+        assert gc.get_threshold()[0] == DEFAULT_THRESHOLD  # the inner exit restores nothing
     assert gc.get_threshold() == (700, 10, 10)
 
     # Two threads: A enters, B enters, A leaves (still relaxed for B), B leaves (restored).
@@ -127,7 +129,7 @@ def test_nested_and_concurrent_compiles_share_one_relaxation():
     a_left.set()
     assert b_done.wait(10)
     other.join()
-    assert seen == {"b after a left": compile_gc.DEFAULT_THRESHOLD}
+    assert seen == {"b after a left": DEFAULT_THRESHOLD}
     assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0
     assert compile_gc._state["depth"] == 0
 
@@ -138,42 +140,36 @@ def test_restores_after_an_exception():
             raise RuntimeError("boom")
     assert gc.get_threshold() == (700, 10, 10)
     with compile_gc.relaxed():  # and the depth count is back to zero: the next compile relaxes again
-        assert gc.get_threshold()[0] == compile_gc.DEFAULT_THRESHOLD
+        assert gc.get_threshold()[0] == DEFAULT_THRESHOLD
 
 
-@pytest.mark.parametrize("setup", ["disabled", "higher", "zero", "env-off"])
-def test_leaves_the_collector_alone(monkeypatch, setup):
+@pytest.mark.parametrize("setup", ["disabled", "higher", "zero", "setting-off"])
+def test_leaves_the_collector_alone(setup):
     if setup == "disabled":
         gc.disable()
     elif setup == "higher":
         gc.set_threshold(200_000, 10, 10)
     elif setup == "zero":  # a first threshold of 0 means no automatic collection: not ours to start
         gc.set_threshold(0, 10, 10)
-    else:
-        monkeypatch.setenv(compile_gc.ENV, "0")
     before = gc.get_threshold()
-    with compile_gc.relaxed():
+    with config.patch(compile_gc_threshold=0 if setup == "setting-off" else DEFAULT_THRESHOLD), compile_gc.relaxed():
         assert gc.get_threshold() == before and gc.get_freeze_count() == 0
     assert gc.get_threshold() == before
     assert gc.isenabled() == (setup != "disabled")
 
 
-def test_environment_sets_the_threshold_and_rejects_bad_values(monkeypatch):
-    monkeypatch.setenv(compile_gc.ENV, "20000")
-    with compile_gc.relaxed():
-        assert gc.get_threshold()[0] == 20_000
-    for bad, message in (("lots", "whole number"), ("-5", "between 0 and"), (str(2**40), "between 0 and")):
-        monkeypatch.setenv(compile_gc.ENV, bad)
-        with pytest.raises(ValueError, match=f"{compile_gc.ENV}.*{message}"):
-            compile_gc.threshold()
-        with pytest.raises(ValueError, match=compile_gc.ENV):
-            with compile_gc.relaxed():
-                pass
-    assert compile_gc._state["depth"] == 0  # the failed entries left no state behind
-    monkeypatch.setenv(compile_gc.ENV, "20000")
-    with compile_gc.relaxed():
+def test_the_setting_sets_the_threshold_and_rejects_bad_values():
+    with config.patch(compile_gc_threshold=20_000), compile_gc.relaxed():
         assert gc.get_threshold()[0] == 20_000
     assert gc.get_threshold() == (700, 10, 10)
+    variable = config.SETTINGS["compile_gc_threshold"].variable
+    assert config.from_environment({variable: "20000"})["compile_gc_threshold"] == 20_000
+    for bad, message in (("lots", "whole number"), ("-5", "between 0 and"), (str(2**40), "between 0 and")):
+        with pytest.raises(ValueError, match=f"{variable}.*{message}"):
+            config.from_environment({variable: bad})
+        if bad != "lots":
+            with pytest.raises(ValueError, match=f"compile_gc_threshold.*{message}"), config.patch(compile_gc_threshold=int(bad)):
+                pass
 
 
 def test_a_threshold_changed_during_the_compile_is_kept():
@@ -200,8 +196,8 @@ def test_forward_and_backward_compile_under_the_raised_threshold(monkeypatch, in
     idx = torch.randint(0, 64, (2, 32))
     compiled = torch.compile(model, backend=Backend(inner=inner))
     loss = lm_loss(compiled(idx), idx)
-    assert seen == [compile_gc.DEFAULT_THRESHOLD]
+    assert seen == [DEFAULT_THRESHOLD]
     assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0
     loss.backward()
-    assert seen == [compile_gc.DEFAULT_THRESHOLD] * 2
+    assert seen == [DEFAULT_THRESHOLD] * 2
     assert gc.get_threshold() == (700, 10, 10) and gc.get_freeze_count() == 0

@@ -12,7 +12,7 @@ import collections
 import pytest
 import torch
 
-from fp4compile import formats
+from fp4compile import config, formats
 from fp4compile.codegen import cublaslt_gemm as cl
 
 CUDA = torch.cuda.is_available()
@@ -58,17 +58,18 @@ def test_argument_errors_name_the_problem():
         cl.mm_alpha(a, b, alpha)
 
 
-def test_mode_from_the_environment(monkeypatch):
-    monkeypatch.setenv(cl.ENV, "torch")
-    assert cl.enabled() is False
-    monkeypatch.setenv(cl.ENV, "cuBLAS")
-    with pytest.raises(ValueError, match="FP4COMPILE_EMULATED_GEMM='cublas'"):
-        cl.enabled()
-    monkeypatch.setenv(cl.ENV, "auto")
-    assert cl.enabled() is HAVE_LT
+def test_mode_from_the_setting():
+    with config.patch(emulated_gemm="torch"):
+        assert cl.enabled() is False
+    assert config.from_environment({"FP4COMPILE_EMULATED_GEMM": " Torch "})["emulated_gemm"] == "torch"
+    with pytest.raises(ValueError, match="FP4COMPILE_EMULATED_GEMM='cuBLAS'"):
+        config.from_environment({"FP4COMPILE_EMULATED_GEMM": "cuBLAS"})
+    with pytest.raises(ValueError, match="emulated_gemm='cublas'"), config.patch(emulated_gemm="cublas"):
+        pass
+    with config.patch(emulated_gemm="auto"):
+        assert cl.enabled() is HAVE_LT
     if not HAVE_LT:
-        monkeypatch.setenv(cl.ENV, "cublaslt")
-        with pytest.raises(RuntimeError, match="cannot run here"):
+        with pytest.raises(RuntimeError, match="cannot run here"), config.patch(emulated_gemm="cublaslt"):
             cl.enabled()
 
 
@@ -133,23 +134,23 @@ def test_alpha_is_read_at_replay_in_a_cuda_graph():
 
 @pytest.mark.gpu
 @needs_lt
-def test_emulated_scaled_mm_same_bits_with_either_gemm(monkeypatch):
+def test_emulated_scaled_mm_same_bits_with_either_gemm():
     from fp4compile.codegen import triton_kernels as tk
 
     a, b = exact_operands(1000, 768, 256, seed=5, device="cuda")
     amax_a, amax_b = torch.tensor(3.0e-3, device="cuda"), torch.tensor(7.77e2, device="cuda")
     outs = {}
     for mode in ("cublaslt", "torch"):
-        monkeypatch.setenv(cl.ENV, mode)
-        outs[mode] = tk.emulated_scaled_mm(a, amax_a, b, amax_b)
+        with config.patch(emulated_gemm=mode):
+            outs[mode] = tk.emulated_scaled_mm(a, amax_a, b, amax_b)
     assert torch.equal(outs["cublaslt"], outs["torch"])
     alpha = formats.gemm_alpha(amax_a.cpu(), amax_b.cpu())
     assert torch.equal(outs["torch"].cpu(), expected(a.cpu(), b.cpu(), alpha, torch.bfloat16))
 
 
 @pytest.mark.skipif(HAVE_LT, reason="checks the message of the fallback")
+@config.patch(emulated_gemm="auto")
 def test_fallback_is_logged_once_with_the_reason(monkeypatch, caplog):
-    monkeypatch.setenv(cl.ENV, "auto")
     monkeypatch.setattr(cl, "_state", {k: v for k, v in cl._state.items() if not (isinstance(k, tuple) and k[0] == "logged")})
     with caplog.at_level("INFO", logger="fp4compile.codegen"):
         assert cl.enabled() is False
@@ -211,16 +212,17 @@ def test_first_call_under_inductor_cuda_graphs(tmp_path):
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
-def test_describe_names_the_path_and_the_reason(monkeypatch):
-    monkeypatch.setenv(cl.ENV, "torch")
-    assert cl.describe() == "torch.mm to fp32 and an epilogue kernel (FP4COMPILE_EMULATED_GEMM=torch)"
-    monkeypatch.setenv(cl.ENV, "auto")
-    if HAVE_LT:
-        assert cl.describe().startswith("alpha in cuBLASLt's epilogue")
-    else:
-        assert cl.describe() == f"torch.mm to fp32 and an epilogue kernel ({cl.available()[1]})"
-    monkeypatch.setenv(cl.ENV, "nonsense")
-    assert cl.describe().startswith("not decided: FP4COMPILE_EMULATED_GEMM='nonsense'")
+def test_describe_names_the_path_and_the_reason():
+    with config.patch(emulated_gemm="torch"):
+        assert cl.describe() == "torch.mm to fp32 and an epilogue kernel (FP4COMPILE_EMULATED_GEMM=torch)"
+    with config.patch(emulated_gemm="auto"):
+        if HAVE_LT:
+            assert cl.describe().startswith("alpha in cuBLASLt's epilogue")
+        else:
+            assert cl.describe() == f"torch.mm to fp32 and an epilogue kernel ({cl.available()[1]})"
+    if not HAVE_LT:
+        with config.patch(emulated_gemm="cublaslt"):
+            assert cl.describe().startswith("not decided: FP4COMPILE_EMULATED_GEMM=cublaslt, but cuBLASLt GEMMs cannot run")
 
 
 @pytest.mark.gpu
@@ -284,14 +286,13 @@ def test_a_problem_cublaslt_refuses_falls_back_or_raises(monkeypatch, caplog):
     a, b = exact_operands(256, 128, 64, seed=9, device="cuda")
     amax_a, amax_b = torch.tensor(3.0e-3, device="cuda"), torch.tensor(7.77e2, device="cuda")
     expect = expected(a.cpu(), b.cpu(), formats.gemm_alpha(amax_a.cpu(), amax_b.cpu()), torch.bfloat16)
-    monkeypatch.setenv(cl.ENV, "auto")
-    with caplog.at_level("WARNING", logger="fp4compile.codegen"):
+    with config.patch(emulated_gemm="auto"), caplog.at_level("WARNING", logger="fp4compile.codegen"):
         for _ in range(2):
             assert torch.equal(tk.emulated_scaled_mm(a, amax_a, b, amax_b).cpu(), expect)
     assert len(calls) == 1  # planned once, the refusal kept
     assert sum("refused for the test" in r.getMessage() for r in caplog.records) == 1
-    monkeypatch.setenv(cl.ENV, "cublaslt")
-    with pytest.raises(cl.Unsupported, match="refused for the test"):
-        tk.emulated_scaled_mm(a, amax_a, b, amax_b)
-    with pytest.raises(cl.Unsupported, match="bfloat16 operands"):
-        tk.emulated_scaled_mm(a, amax_a, b, amax_b, torch.float16)
+    with config.patch(emulated_gemm="cublaslt"):
+        with pytest.raises(cl.Unsupported, match="refused for the test"):
+            tk.emulated_scaled_mm(a, amax_a, b, amax_b)
+        with pytest.raises(cl.Unsupported, match="bfloat16 operands"):
+            tk.emulated_scaled_mm(a, amax_a, b, amax_b, torch.float16)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import fp4compile
-from fp4compile import Backend, cli
+from fp4compile import Backend, cli, config
 from models import MLPStack, TinyGPT, lm_loss
 
 TESTS = Path(__file__).resolve().parent
@@ -248,7 +248,7 @@ def test_pass_snapshots_render_what_a_copy_of_the_graph_renders(monkeypatch):
     assert codes == expected
 
 
-def test_print_ir_after_a_pass_while_compiling(capsys, monkeypatch):
+def test_print_ir_after_a_pass_while_compiling(capsys):
     torch._dynamo.reset()
     model = MLPStack(3)
     x = torch.randn(2, 16, 16)
@@ -259,8 +259,7 @@ def test_print_ir_after_a_pass_while_compiling(capsys, monkeypatch):
     assert out.count("torch.ops.fp4.rht.default(") == 4  # the wgrads of block 1's two linears (the head is high)
 
     torch._dynamo.reset()
-    monkeypatch.setenv("FP4COMPILE_PRINT_IR_AFTER", "all")
-    with torch.no_grad():
+    with config.patch(print_ir_after="all"), torch.no_grad():
         torch.compile(model, backend=Backend(inner="eager"))(x)
     out = capsys.readouterr().out
     for name in ("find_gemm_sites", "mark_fp4_linear", "plan_gemm_roles", "lower_scaled_mm"):

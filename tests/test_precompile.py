@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.nvidia.compiler import CUDABackend  # noqa: E402
 
-from fp4compile import ops, runtime  # noqa: E402
+from fp4compile import config, ops, runtime  # noqa: E402
 from fp4compile.codegen import precompile  # noqa: E402
 from fp4compile.codegen import triton_kernels as tk  # noqa: E402
 
@@ -112,7 +112,7 @@ def test_a_launch_waits_for_pending_compiles():
     events.append("launched")
     timer.join()
     assert events == ["compiled", "launched"] and float(amax) == 1.0
-    assert not tk._pending
+    assert not tk.launch._pending
 
 
 def test_ops_expose_their_implementations():
@@ -121,16 +121,17 @@ def test_ops_expose_their_implementations():
     assert all(name in ops._IMPLEMENTATIONS for name in precompile.PLANNED_OPS)
 
 
-def test_pool_size_from_the_environment(monkeypatch):
-    monkeypatch.delenv(precompile.THREADS_ENV, raising=False)
+@config.patch(precompile_threads=None)
+def test_pool_size_from_the_setting():
     assert precompile.pool_size() == max(1, min(8, (os.cpu_count() or 2) - 1))
     assert precompile.pool_size(processes=True) == max(1, min(4, (os.cpu_count() or 2) - 1))
-    monkeypatch.setenv(precompile.THREADS_ENV, "2")
-    assert precompile.pool_size() == precompile.pool_size(processes=True) == 2
+    with config.patch(precompile_threads=2):
+        assert precompile.pool_size() == precompile.pool_size(processes=True) == 2
+    variable = config.SETTINGS["precompile_threads"].variable
+    assert config.from_environment({variable: "2"})["precompile_threads"] == 2
     for bad in ("0", "-1", "two"):
-        monkeypatch.setenv(precompile.THREADS_ENV, bad)
-        with pytest.raises(ValueError, match=precompile.THREADS_ENV):
-            precompile.pool_size()
+        with pytest.raises(ValueError, match=variable):
+            config.from_environment({variable: bad})
 
 
 @pytest.mark.skipif(CUDA, reason="the no-GPU case")
@@ -185,30 +186,30 @@ def test_gpu_first_call_compiles_no_kernel_in_the_training_thread(fresh_dynamo, 
     x = torch.randn(512, 256, device="cuda")
     results = []
     for switch in ("processes", "threads", "0"):
-        monkeypatch.setenv(precompile.ENV, switch)
-        monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / switch))
-        for kernel in ours:  # forget what earlier tests (or rounds) compiled in this process
-            kernel.device_caches.clear()
-        loads.clear()
-        builds.clear()
-        torch._dynamo.reset()
-        runtime.manual_seed(3)
-        backend = Backend(mode=mode, high_precision_first_blocks=0, high_precision_last_blocks=0)
-        m = MLP().cuda()
-        m.load_state_dict(model.state_dict())
-        with torch.autocast("cuda", torch.bfloat16):
-            y = torch.compile(m, backend=backend)(x)
-        y.float().square().sum().backward()
-        results.append([y.detach().float().cpu()] + [p.grad.cpu() for p in m.parameters()])
-        assert len(set(loads)) >= 3, loads
-        in_caller = sorted({name for name, caller in builds if caller})
-        if switch == "processes":
-            assert not builds, f"built in the training process: {builds}"
-            assert len(list((tmp_path / switch).rglob("*.cubin"))) >= len(set(loads))
-        elif switch == "threads":
-            assert builds and not in_caller, f"built by the caller: {in_caller}"
-        else:
-            assert in_caller and all(caller for _, caller in builds)
+        with config.patch(precompile=switch):
+            monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / switch))
+            for kernel in ours:  # forget what earlier tests (or rounds) compiled in this process
+                kernel.device_caches.clear()
+            loads.clear()
+            builds.clear()
+            torch._dynamo.reset()
+            runtime.manual_seed(3)
+            backend = Backend(mode=mode, high_precision_first_blocks=0, high_precision_last_blocks=0)
+            m = MLP().cuda()
+            m.load_state_dict(model.state_dict())
+            with torch.autocast("cuda", torch.bfloat16):
+                y = torch.compile(m, backend=backend)(x)
+            y.float().square().sum().backward()
+            results.append([y.detach().float().cpu()] + [p.grad.cpu() for p in m.parameters()])
+            assert len(set(loads)) >= 3, loads
+            in_caller = sorted({name for name, caller in builds if caller})
+            if switch == "processes":
+                assert not builds, f"built in the training process: {builds}"
+                assert len(list((tmp_path / switch).rglob("*.cubin"))) >= len(set(loads))
+            elif switch == "threads":
+                assert builds and not in_caller, f"built by the caller: {in_caller}"
+            else:
+                assert in_caller and all(caller for _, caller in builds)
     for on, off in zip(results[0], results[2]):
         assert torch.equal(on, off)
     for on, off in zip(results[1], results[2]):
@@ -258,18 +259,18 @@ def test_plan_runs_each_distinct_node_once(monkeypatch):
     launches = precompile.plan(torch.fx.GraphModule(torch.nn.Module(), graph))
     assert calls == [(64, 32), (32, 64)]
     assert [launch[0].fn.__name__ for launch in launches] == ["_amax_kernel", "_quantize_rows_kernel"] * 2
-    assert [launch[2][7:9] for launch in launches if launch[0] is tk._quantize_rows_kernel] == [(64, 32), (32, 64)]
+    assert [launch[2][7:9] for launch in launches if launch[0] is tk.rows._quantize_rows_kernel] == [(64, 32), (32, 64)]
 
 
-def test_precompile_mode_from_the_environment(monkeypatch):
-    monkeypatch.delenv(precompile.ENV, raising=False)
-    assert precompile.mode() == "threads"
+def test_precompile_mode_from_the_setting():
+    variable = config.SETTINGS["precompile"].variable
+    assert config.from_environment({})["precompile"] == "threads"
     for value, want in (("1", "threads"), ("threads", "threads"), ("processes", "processes"), ("0", "off")):
-        monkeypatch.setenv(precompile.ENV, value)
-        assert precompile.mode() == want
-    monkeypatch.setenv(precompile.ENV, "process")
-    with pytest.raises(ValueError, match=precompile.ENV):
-        precompile.mode()
+        assert config.from_environment({variable: value})["precompile"] == want
+        with config.patch(precompile=value):
+            assert precompile.mode() == want
+    with pytest.raises(ValueError, match=variable):
+        config.from_environment({variable: "process"})
 
 
 def test_worker_process_compiles_into_the_cache_the_training_process_reads(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import fp4compile
-from fp4compile import Backend, formats, ops
+from fp4compile import Backend, config, formats, ops
 from models import MLPStack, grads
 
 D = 16
@@ -118,17 +118,17 @@ def test_check_finite_names_layer_role_operand_and_step():
         compiled(_x(2, 16, D)).backward(dy)
 
 
-def test_check_finite_from_environment(monkeypatch):
-    monkeypatch.setenv("FP4COMPILE_CHECK_FINITE", "1")
-    backend = _backend()
+def test_check_finite_from_config():
+    with config.patch(check_finite=True):
+        backend = _backend()
     assert backend.recipe.check_finite
     compiled = torch.compile(_stack(), backend=backend)
     x = _x(2, 16, D)
     x[1, 1, 1] = float("inf")
     with pytest.raises(FloatingPointError, match=r"layer 'layers\.0\.fc' fprop operand X .*0 NaN, 1 Inf"):
         compiled(x)
-    monkeypatch.setenv("FP4COMPILE_CHECK_FINITE", "0")
-    assert not _backend().recipe.check_finite
+    with config.patch(check_finite=False):
+        assert not _backend().recipe.check_finite
 
 
 def test_all_zero_input():

@@ -198,7 +198,7 @@ def test_global_amax_and_wgrad_amax():
 @pytest.mark.parametrize("programs", [1024, 3, 1])
 def test_global_amax_at_each_tiles_per_program(monkeypatch, programs):
     """A small tensor takes fewer tiles per program (ITERS 8 down to 1): the same amax either way."""
-    monkeypatch.setattr(tk, "_AMAX_PROGRAMS", programs)
+    monkeypatch.setattr(tk.api, "_AMAX_PROGRAMS", programs)
     for n, dtype in ((1, torch.float32), (4096 * 3 + 5, torch.bfloat16), (4096 * 8 * 2 + 17, torch.float32)):
         x = sample((n,), dtype, seed=n)
         x[n // 2] = -1e4  # a largest |x| in the middle, negative
@@ -260,9 +260,9 @@ def test_tiles_per_program_change_no_bits(monkeypatch, iters):
 
 def test_tile_grid_keeps_m_first_past_the_grids_second_dimension():
     cfg = dict(K_FIRST=True)
-    assert tk._tiles(cfg, 65535, 3) == ((3, 65535), {"K_FIRST": True})
-    assert tk._tiles(cfg, 65536, 3) == ((65536, 3), {"K_FIRST": False})
-    assert tk._tiles({}, 10, 3) == ((10, 3), {"K_FIRST": False})
+    assert tk.launch._tiles(cfg, 65535, 3) == ((3, 65535), {"K_FIRST": True})
+    assert tk.launch._tiles(cfg, 65536, 3) == ((65536, 3), {"K_FIRST": False})
+    assert tk.launch._tiles({}, 10, 3) == ((10, 3), {"K_FIRST": False})
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -363,13 +363,13 @@ def test_every_scale_converting_launch_says_whether_the_gpu_converts_e4m3(monkey
     """The kernels default to the bit-level scale conversion; a launch that forgot the E4M3 argument
     would lose the hardware conversion on sm_89 and later without a trace (the bits are the same)."""
     launches = []
-    launch = tk._launch
+    launch = tk.api._launch
 
     def watch(kernel, grid, *args, **kwargs):
         launches.append((kernel, kwargs))
         return launch(kernel, grid, *args, **kwargs)
 
-    monkeypatch.setattr(tk, "_launch", watch)
+    monkeypatch.setattr(tk.api, "_launch", watch)
     x = sample((32, 64), torch.bfloat16, seed=3).to(DEVICE)
     for rounding in ("rne", "sr"):
         tk.quantize_1x16(x, rounding, seed=1)
@@ -379,9 +379,9 @@ def test_every_scale_converting_launch_says_whether_the_gpu_converts_e4m3(monkey
         tk.fake_quantize_wgrad_operand(x, rounding, seed=1)
     amax, amax_t = tk.wgrad_amax(x)
     tk.fake_quantize_dual(x, "sr", 1, amax, "sr", 2, amax_t)
-    converting = (tk._quantize_rows_kernel, tk._rht_quantize_kernel, tk._dual_quantize_kernel)
+    converting = (tk.rows._quantize_rows_kernel, tk.rht._rht_quantize_kernel, tk.rht._dual_quantize_kernel)
     seen = [kwargs for kernel, kwargs in launches if kernel in converting]
-    assert len(seen) >= 11 and all(kwargs.get("E4M3") is tk._hw_e4m3(x.device) for kwargs in seen)
+    assert len(seen) >= 11 and all(kwargs.get("E4M3") is tk.launch._hw_e4m3(x.device) for kwargs in seen)
 
 
 def test_e4m3_scale_rounding():
@@ -611,16 +611,16 @@ def test_gpu_block_scales_without_fp8_hardware(monkeypatch, rounding):
     """The path GPUs before sm_89 (A100, A10) take, run on this GPU: block scales converted to E4M3 on
     the bits (``_e4m3``) instead of by the hardware, the same bits as the reference, special values
     included, in every kernel that converts scales."""
-    monkeypatch.setattr(tk, "_hw_e4m3", lambda device: False)
+    monkeypatch.setattr(tk.api, "_hw_e4m3", lambda device: False)
     flags = []
-    launch = tk._launch
+    launch = tk.api._launch
 
     def watch(kernel, grid, *args, **kwargs):
         if "E4M3" in kwargs:
             flags.append(kwargs["E4M3"])
         return launch(kernel, grid, *args, **kwargs)
 
-    monkeypatch.setattr(tk, "_launch", watch)
+    monkeypatch.setattr(tk.api, "_launch", watch)
     sweep, inf = e4m3_sweep()  # every E4M3 scale code, midpoints and neighbours
     out = tk.quantize_1x16(sweep.cuda(), amax=inf.cuda())
     assert_same_quantization(*out, formats.quantize(sweep, amax=inf))

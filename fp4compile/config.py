@@ -1,0 +1,173 @@
+"""fp4compile's settings: one typed field each, read from the environment once, when this module loads.
+
+Each field has an ``FP4COMPILE_*`` environment variable (``SETTINGS``; the README's settings table
+lists them). An unset or empty variable leaves the field's default; an invalid value raises a
+ValueError naming the variable. Code changes fields for a block or a function with ``patch``:
+
+    with fp4compile.config.patch(print_ir_after="all"):
+        compiled(x)
+
+The rest of fp4compile reads the fields here each time it needs one, so a change applies from the
+next use on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Mapping, NamedTuple, Optional
+
+check_finite: bool = False
+"""``Recipe(check_finite=True)`` in every ``Backend`` made: a NaN or Inf in a quantized tensor raises."""
+
+print_ir_after: str = ""
+"""Passes (a comma list, or "all") whose output graph is printed while compiling."""
+
+emulated_gemm: str = "auto"
+"""The GEMM the emulation runs on CUDA: "auto" (cuBLASLt where it can run), "cublaslt" (required), "torch"."""
+
+precompile: str = "threads"
+"""Where fp4compile's Triton kernels compile while Inductor compiles a graph: "threads", "processes", "off"."""
+
+precompile_threads: Optional[int] = None
+"""How many workers compile them; None: min(8, CPUs - 1) threads or min(4, CPUs - 1) processes."""
+
+compile_gc_threshold: int = 50_000
+"""Python's first garbage-collector threshold while a graph compiles; 0 leaves the collector alone."""
+
+aot_cache: bool = True
+"""Whether fp4compile's graphs go into AOTAutograd's on-disk cache."""
+
+cache_dir: Optional[str] = None
+"""Where built CUTLASS kernels are cached; None: ``~/.cache/fp4compile``."""
+
+nvcc: Optional[str] = None
+"""The nvcc that builds CUTLASS kernels; None: ``$CUDA_HOME/bin/nvcc``, else nvcc on ``PATH``."""
+
+MAX_GC_THRESHOLD = 2**31 - 1
+_OFF = ("0", "false", "no", "off")
+
+
+class _Flag:
+    """On or off: "0", "false", "no" and "off" (any case) turn it off, any other text on."""
+
+    def parse(self, text: str) -> bool:
+        return text.lower() not in _OFF
+
+    def check(self, value) -> bool:
+        if not isinstance(value, bool):
+            raise ValueError("expected True or False")
+        return value
+
+
+class _Choice:
+    """One of ``values``; ``aliases`` (lower case) name them too."""
+
+    def __init__(self, values: tuple, expected: str, aliases: Optional[Mapping[str, str]] = None):
+        self.values, self.expected, self.aliases = values, expected, dict(aliases or {})
+
+    def parse(self, text: str) -> str:
+        return self.check(text.lower())
+
+    def check(self, value) -> str:
+        value = self.aliases.get(value, value) if isinstance(value, str) else value
+        if value not in self.values:
+            raise ValueError(f"expected {self.expected}")
+        return value
+
+
+class _Count:
+    """A whole number from ``low`` to ``high``."""
+
+    def __init__(self, low: int, high: int, expected: str):
+        self.low, self.high, self.expected = low, high, expected
+
+    def parse(self, text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"expected {self.expected}") from None
+        return self.check(value)
+
+    def check(self, value) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not self.low <= value <= self.high:
+            raise ValueError(f"expected {self.expected}")
+        return value
+
+
+class _Text:
+    """Text as given (a path, a list of names)."""
+
+    def parse(self, text: str) -> str:
+        return text
+
+    def check(self, value) -> str:
+        if not isinstance(value, str):
+            raise ValueError("expected a string")
+        return value
+
+
+class Setting(NamedTuple):
+    variable: str  # the environment variable that sets the field
+    kind: Any  # parses the variable's text and checks a value set in code
+
+
+SETTINGS: dict[str, Setting] = {
+    "check_finite": Setting("FP4COMPILE_CHECK_FINITE", _Flag()),
+    "print_ir_after": Setting("FP4COMPILE_PRINT_IR_AFTER", _Text()),
+    "emulated_gemm": Setting("FP4COMPILE_EMULATED_GEMM", _Choice(("auto", "cublaslt", "torch"), "auto, cublaslt or torch")),
+    "precompile": Setting("FP4COMPILE_PRECOMPILE", _Choice(
+        ("threads", "processes", "off"), "1 or threads (the default), processes, or 0 (off)",
+        aliases={"1": "threads", "true": "threads", "yes": "threads", "on": "threads",
+                 **{off: "off" for off in _OFF}},
+    )),
+    "precompile_threads": Setting("FP4COMPILE_PRECOMPILE_THREADS", _Count(1, 2**31 - 1, "a whole number of workers, 1 or more")),
+    "compile_gc_threshold": Setting("FP4COMPILE_COMPILE_GC_THRESHOLD", _Count(
+        0, MAX_GC_THRESHOLD, f"a whole number of allocations between 0 and {MAX_GC_THRESHOLD} (0 leaves the collector alone)",
+    )),
+    "aot_cache": Setting("FP4COMPILE_AOT_CACHE", _Flag()),
+    "cache_dir": Setting("FP4COMPILE_CACHE_DIR", _Text()),
+    "nvcc": Setting("FP4COMPILE_NVCC", _Text()),
+}
+
+DEFAULTS: dict[str, Any] = {name: globals()[name] for name in SETTINGS}
+
+
+def from_environment(env: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """Every field's value as ``env`` sets it (the default where its variable is unset or empty)."""
+    values = dict(DEFAULTS)
+    for name, setting in SETTINGS.items():
+        text = env.get(setting.variable, "").strip()
+        if text:
+            try:
+                values[name] = setting.kind.parse(text)
+            except ValueError as err:
+                raise ValueError(f"{setting.variable}={text!r}: {err}") from None
+    return values
+
+
+def _checked(name: str, value) -> Any:
+    if name not in SETTINGS:
+        raise AttributeError(f"fp4compile.config has no setting {name!r}; the settings are {', '.join(SETTINGS)}")
+    if value is None and DEFAULTS[name] is None:
+        return None
+    try:
+        return SETTINGS[name].kind.check(value)
+    except ValueError as err:
+        raise ValueError(f"fp4compile.config.{name}={value!r}: {err}") from None
+
+
+@contextlib.contextmanager
+def patch(**changes):
+    """Set fields for a ``with`` block or, as a decorator, for each call of a function; the values they
+    had come back at its end."""
+    new = {name: _checked(name, value) for name, value in changes.items()}
+    saved = {name: globals()[name] for name in new}
+    globals().update(new)
+    try:
+        yield
+    finally:
+        globals().update(saved)
+
+
+globals().update(from_environment())

@@ -1,0 +1,82 @@
+"""fp4compile.config: the environment maps onto the settings; ``patch`` changes them and checks the values."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fp4compile import config
+
+
+def test_unset_or_empty_variables_give_the_defaults():
+    assert config.from_environment({}) == config.DEFAULTS
+    assert config.from_environment({s.variable: "  " for s in config.SETTINGS.values()}) == config.DEFAULTS
+
+
+def test_each_variable_sets_its_field():
+    env = {
+        "FP4COMPILE_CHECK_FINITE": "1", "FP4COMPILE_PRINT_IR_AFTER": "insert_rht,lower_scaled_mm",
+        "FP4COMPILE_EMULATED_GEMM": "Torch", "FP4COMPILE_PRECOMPILE": "0", "FP4COMPILE_PRECOMPILE_THREADS": " 3",
+        "FP4COMPILE_COMPILE_GC_THRESHOLD": "0", "FP4COMPILE_AOT_CACHE": "off", "FP4COMPILE_CACHE_DIR": "~/kernels",
+        "FP4COMPILE_NVCC": "/opt/cuda/bin/nvcc",
+    }
+    assert set(env) == {s.variable for s in config.SETTINGS.values()}
+    assert config.from_environment(env) == dict(
+        check_finite=True, print_ir_after="insert_rht,lower_scaled_mm", emulated_gemm="torch", precompile="off",
+        precompile_threads=3, compile_gc_threshold=0, aot_cache=False, cache_dir="~/kernels", nvcc="/opt/cuda/bin/nvcc",
+    )
+    for off in ("0", "false", "No", "OFF"):
+        assert config.from_environment({"FP4COMPILE_AOT_CACHE": off})["aot_cache"] is False
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("FP4COMPILE_EMULATED_GEMM", "cublas"), ("FP4COMPILE_PRECOMPILE", "process"),
+    ("FP4COMPILE_PRECOMPILE_THREADS", "0"), ("FP4COMPILE_COMPILE_GC_THRESHOLD", "lots"),
+])
+def test_an_invalid_value_names_its_variable(variable, value):
+    with pytest.raises(ValueError, match=f"{variable}='{value}': expected"):
+        config.from_environment({variable: value})
+
+
+def test_the_environment_is_read_when_fp4compile_is_imported():
+    code = "import fp4compile; print(fp4compile.config.emulated_gemm, fp4compile.config.precompile_threads)"
+    env = {"FP4COMPILE_EMULATED_GEMM": "torch", "FP4COMPILE_PRECOMPILE_THREADS": "2", "PATH": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["torch", "2"], out.stderr[-2000:]
+    env["FP4COMPILE_PRECOMPILE_THREADS"] = "many"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "FP4COMPILE_PRECOMPILE_THREADS='many'" in out.stderr
+
+
+def test_patch_sets_fields_for_a_block_and_a_function():
+    before = config.emulated_gemm
+    with config.patch(emulated_gemm="torch", precompile="0"):
+        assert (config.emulated_gemm, config.precompile) == ("torch", "off")  # the variable's words are taken too
+    assert config.emulated_gemm == before
+
+    @config.patch(print_ir_after="all")
+    def printed():
+        return config.print_ir_after
+
+    assert printed() == "all" and printed() == "all" and config.print_ir_after != "all"
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(emulated_gemm="cublas"), "emulated_gemm='cublas': expected auto, cublaslt or torch"),
+    (dict(compile_gc_threshold=-1), "compile_gc_threshold=-1: expected a whole number"),
+    (dict(precompile_threads=0), "precompile_threads=0: expected a whole number of workers"),
+    (dict(check_finite="yes"), "check_finite='yes': expected True or False"),
+    (dict(cache_dir=3), "cache_dir=3: expected a string"),
+])
+def test_patch_rejects_a_bad_value_and_changes_nothing(changes, message):
+    before = {name: getattr(config, name) for name in config.SETTINGS}
+    with pytest.raises(ValueError, match=message), config.patch(print_ir_after="all", **changes):
+        pass
+    assert {name: getattr(config, name) for name in config.SETTINGS} == before
+
+
+def test_patch_rejects_an_unknown_setting():
+    with pytest.raises(AttributeError, match="no setting 'emulated_gem'"), config.patch(emulated_gem="torch"):
+        pass
