@@ -246,3 +246,50 @@ def test_mxfp4_export_is_refused():
     torch.compile(model, backend=backend)(input_ids=IDX, labels=IDX, use_cache=False).loss.backward()
     with pytest.raises(NotImplementedError, match="MXFP4"):
         fp4export.export_sites(backend)
+
+
+MODEL_FILE = '''
+import torch.nn as nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.down(self.up(x).relu())
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+'''
+
+
+def test_cli_exports_a_saved_checkpoint(tmp_path, capsys):
+    from fp4compile import cli
+
+    (tmp_path / "net.py").write_text(MODEL_FILE)
+    model = cli.load_factory(f"{tmp_path / 'net.py'}:Net")
+    torch.save({"model": model.state_dict(), "step": 3}, tmp_path / "ckpt.pt")
+    out = tmp_path / "out"
+    assert cli.main(["export", f"{tmp_path / 'net.py'}:Net", str(tmp_path / "ckpt.pt"), str(out),
+                     "--input-shape", "4x16x32"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    config = json.loads((out / "quantization_config.json").read_text())
+    assert config["ignore"] == ["blocks.0.down", "blocks.0.up", "blocks.3.down", "blocks.3.up", "head"]
+    stored = safetensors_torch.load_file(str(out / "model.safetensors"))
+    q = fp4export.quantized_weight(model.blocks[1].up.weight)
+    assert torch.equal(stored["blocks.1.up.weight_packed"], q.data.view(torch.uint8))
+    assert torch.equal(stored["blocks.1.up.bias"], model.blocks[1].up.bias.to(torch.bfloat16))
+    assert stored["head.weight"].dtype == torch.bfloat16
+    assert cli.main(["export", f"{tmp_path / 'net.py'}:Net", str(tmp_path / "missing.pt"), str(out),
+                     "--input-shape", "4x16x32"]) == 2
+    assert "missing.pt' not found" in capsys.readouterr().err
