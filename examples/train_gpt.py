@@ -643,7 +643,12 @@ def _train(argv: Optional[Sequence[str]], cleanup: contextlib.ExitStack) -> dict
     if args.checkpoint is not None and not diverged:
         _save_checkpoint(args.checkpoint, training_state(steps_done, wall))
     if backend is not None and args.precision == "nvfp4" and not diverged and (not args.no_served_eval or args.export):
-        record["summary"]["served_val_loss"] = _served_eval(args, model, backend, val_set, train_stream, autocast)
+        if backend.high_precision:
+            # After the switch to BF16 the model trained and evaluated in high precision: not an FP4 model.
+            print("served model: not evaluated or exported, every GEMM runs in high precision since step "
+                  f"{record['high_precision_from_step']}", flush=True)
+        else:
+            record["summary"]["served_val_loss"] = _served_eval(args, model, backend, val_set, train_stream, autocast)
     if args.out:
         _write_json(args.out, record)
     _print_summary(record, args.out)
