@@ -88,6 +88,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="BF16 autocast (default: on for CUDA, off for CPU)")
     g.add_argument("--eval-high-precision", action="store_true",
                    help="validate the uncompiled model (no FP4) instead of the compiled one")
+    g.add_argument("--no-served-eval", action="store_true",
+                   help="nvfp4: skip the final validation of the model as its exported checkpoint serves it "
+                        "(W4A16 and W4A4, docs/export.md)")
+    g.add_argument("--export", type=Path, default=None, metavar="DIR",
+                   help="nvfp4: write the trained model as an NVFP4 (W4A4) compressed-tensors checkpoint here")
 
     g = p.add_argument_group("model and data")
     g.add_argument("--preset", choices=list(PRESETS), default="tiny",
@@ -146,6 +151,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                  ("--bf16-switch-at", args.bf16_switch_at is not None)) if on]
     if args.precision == "bf16" and fp4_flags:
         p.error(f"{', '.join(fp4_flags)} only apply to --precision nvfp4/mxfp4")
+    if args.export is not None and args.precision != "nvfp4":
+        p.error("--export writes NVFP4 checkpoints: it needs --precision nvfp4")
     if args.precision != "bf16" and args.no_compile:
         p.error("--no-compile only applies to --precision bf16: FP4 runs through the compiler backend")
     if min(args.steps, args.batch_size, args.grad_accum, args.eval_batches) < 1 or args.eval_every < 0:
@@ -627,16 +634,48 @@ def _train(argv: Optional[Sequence[str]], cleanup: contextlib.ExitStack) -> dict
         # Mean over the last 10% of steps: less noisy than the last batch.
         "final_train_loss_avg": _tail_mean(record["train"]["loss"]),
         "final_val_loss": record["val"]["loss"][-1] if record["val"]["loss"] else None,
+        # The deployment gap: the same validation batches through the model as exported (docs/export.md).
+        "served_val_loss": None,
         "tokens_per_s": steady_tokens / steady_time if steady_time else None,
         "first_step_s": first_step_s,
         "wall_s": wall,
     }
     if args.checkpoint is not None and not diverged:
         _save_checkpoint(args.checkpoint, training_state(steps_done, wall))
+    if backend is not None and args.precision == "nvfp4" and not diverged and (not args.no_served_eval or args.export):
+        if backend.high_precision:
+            # After the switch to BF16 the model trained and evaluated in high precision: not an FP4 model.
+            print("served model: not evaluated or exported, every GEMM runs in high precision since step "
+                  f"{record['high_precision_from_step']}", flush=True)
+        else:
+            record["summary"]["served_val_loss"] = _served_eval(args, model, backend, val_set, train_stream, autocast)
     if args.out:
         _write_json(args.out, record)
     _print_summary(record, args.out)
     return record
+
+
+def _served_eval(args, model, backend, val_set, train_stream, autocast) -> dict:
+    """Validation loss of the trained model as its exported checkpoint computes (each FP4 weight quantized
+    once, as ``fp4compile.export`` writes it): weights only (W4A16), and with activations quantized in
+    1x16 blocks under global scales calibrated on training batches (W4A4); writes the checkpoint with
+    ``--export``."""
+    import fp4compile
+
+    model.eval()
+    with torch.no_grad(), autocast():
+        calibration = [next(train_stream) for _ in range(args.eval_batches)]
+        amax = fp4compile.calibrate(model, calibration, backend=backend, forward=lambda m, b: m(*b))
+        losses = {}
+        for scheme in ("NVFP4A16", "NVFP4"):
+            with fp4compile.served(model, backend, scheme, amax) as served:
+                losses[scheme] = sum(served(x, y)[1].item() for x, y in val_set) / len(val_set)
+    model.train()
+    print(f"served model: val loss {losses['NVFP4A16']:.4f} (W4A16), {losses['NVFP4']:.4f} (W4A4)", flush=True)
+    if args.export:
+        fp4compile.export(model, args.export, backend=backend, scheme="NVFP4", input_amax=amax)
+        print(f"wrote the NVFP4 checkpoint {args.export}", flush=True)
+    return {"W4A16": losses["NVFP4A16"], "W4A4": losses["NVFP4"]}
 
 
 def _catch_sigterm(enabled: bool, cleanup: contextlib.ExitStack) -> list:

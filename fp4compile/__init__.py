@@ -7,6 +7,7 @@
 from . import config, formats, ops, runtime
 from .backend import Backend, PlanWarning, get_backend, nvfp4_backend
 from .explain import explain
+from .export import calibrate, export, served
 from .passes.pipeline import precision_pass, print_pipeline
 from .recipe import Recipe
 from .report import Report
@@ -21,8 +22,10 @@ __all__ = [
     "GemmSite",
     "Recipe",
     "Report",
+    "calibrate",
     "config",
     "explain",
+    "export",
     "formats",
     "get_backend",
     "get_rng_state",
@@ -32,6 +35,7 @@ __all__ = [
     "precision_pass",
     "print_pipeline",
     "runtime",
+    "served",
     "set_rng_state",
 ]
 

@@ -2,13 +2,17 @@
 
     fp4compile inspect MODULE:FACTORY --input-shape 2x32 [--input-dtype long] [--show table|graphs|diff|mlir|dot|pipeline]
                        [--stage dynamo|forward|backward] [--image out.png] [--recipe-option key=value ...]
+    fp4compile export MODULE:FACTORY CHECKPOINT OUT --input-shape 2x32 [--input-dtype long] [--recipe-option key=value ...]
     fp4compile pipeline
     fp4compile kernels build|list ...      (where the kernel tooling is installed)
 
 ``inspect`` builds the model by calling ``FACTORY()`` from ``MODULE`` (an importable module such as
 ``mypkg.models`` or a ``.py`` file path), makes random inputs of the given shapes, runs
 ``fp4compile.explain`` (one forward and one backward through the nvfp4 backend) and prints what the
-compiler did. Errors in ``MODULE:FACTORY`` or the options exit with status 2.
+compiler did. ``export`` builds the model the same way, loads CHECKPOINT's weights into it (a state dict,
+or a dict holding one under "model"), compiles one forward and backward with the recipe to find its
+precision plan, and writes the NVFP4 (W4A16) checkpoint OUT (``fp4compile.export``, docs/export.md).
+Errors in ``MODULE:FACTORY`` or the options exit with status 2.
 """
 
 from __future__ import annotations
@@ -84,6 +88,26 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--device", default="cpu", help="device for the model and inputs (default: cpu)")
     inspect.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     inspect.set_defaults(func=_inspect)
+
+    export = commands.add_parser(
+        "export", help="write a trained model's checkpoint as an NVFP4 compressed-tensors folder",
+        description="Load CHECKPOINT into FACTORY() from MODULE, find its precision plan with the recipe (one "
+        "forward and backward on random inputs of the given shapes) and write the NVFP4 weights, as the "
+        "training forward quantizes them, in the compressed-tensors format (W4A16: weights only; W4A4 needs "
+        "activation ranges, see fp4compile.calibrate).",
+    )
+    export.add_argument("model", metavar="MODULE:FACTORY", help="the model's factory, as for inspect")
+    export.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
+                        help="torch.save'd state dict, or a dict with the state dict under 'model'")
+    export.add_argument("out", type=Path, metavar="OUT", help="folder to write")
+    export.add_argument("--input-shape", action="append", required=True, type=_shape, metavar="DxDx...",
+                        help="shape of one model input for the planning pass, e.g. 2x32; repeatable")
+    export.add_argument("--input-dtype", action="append", choices=sorted(DTYPES), metavar="DTYPE",
+                        help="as for inspect (default float)")
+    export.add_argument("--input-high", type=int, metavar="N", help="as for inspect")
+    export.add_argument("--recipe-option", action="append", default=[], type=_option, metavar="KEY=VALUE",
+                        help="the Recipe fields the model was trained with, e.g. high_precision_last_blocks=2")
+    export.set_defaults(func=_export, device="cpu", seed=0)
 
     pipeline = commands.add_parser("pipeline", help="print the compiler's pass pipeline")
     pipeline.set_defaults(func=_pipeline)
@@ -281,6 +305,34 @@ def _show(report, args) -> None:
         print(report.to_dot(args.stage or "backward", compact=not args.full), end="")
     else:
         print(fp4compile.print_pipeline())
+
+
+def _export(args) -> int:
+    recipe = _recipe(args.recipe_option)
+    if not args.checkpoint.is_file():
+        raise UsageError(f"checkpoint {str(args.checkpoint)!r} not found")
+    model = load_factory(args.model)
+    state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
+    state = state.get("model", state) if isinstance(state, dict) else state
+    if not isinstance(state, dict):
+        raise UsageError(f"{args.checkpoint} holds a {type(state).__name__}, not a state dict")
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise UsageError(f"{args.checkpoint} does not fit {args.model}(): {str(exc).splitlines()[0]}") from exc
+    inputs = _inputs(args, model)
+    backend = fp4compile.Backend(recipe=recipe, inner="eager")
+    try:
+        torch.compile(model, backend=backend)(*inputs)  # the forward decides the plan
+    except Exception as exc:
+        raise UsageError(f"running the model on the inputs failed: {exc}") from exc
+    try:
+        out = fp4compile.export(model, args.out, backend=backend, scheme="NVFP4A16")
+    except (ValueError, NotImplementedError) as exc:
+        raise UsageError(str(exc)) from exc
+    n = len([s for s in backend.report.sites if s.precision != "high"])
+    print(f"wrote {out}: {n} FP4 GEMM sites (NVFP4A16)")
+    return 0
 
 
 def _pipeline(args) -> int:

@@ -289,6 +289,10 @@ def test_train_gpt_resume_is_bit_exact(tmp_path):
     assert resumed["val"] == whole["val"]
     assert [(s["start_step"], s["end_step"]) for s in resumed["segments"]] == [(0, 2), (2, 4)]
     assert resumed["summary"]["steps"] == 4 and resumed["summary"]["train_tokens"] == 4 * 4 * 32
+    # The model as its exported checkpoint serves it, evaluated on the same batches (docs/export.md).
+    assert resumed["summary"]["served_val_loss"] == whole["summary"]["served_val_loss"]
+    served = whole["summary"]["served_val_loss"]
+    assert set(served) == {"W4A16", "W4A4"} and abs(served["W4A16"] - whole["val"]["loss"][-1]) < 0.05
     # A fork at the BF16 switch equals a run that switches without stopping, the evaluation after the
     # switch step included (it runs in high precision in both).
     switched = train_gpt.main([*base, "--bf16-switch-at", "2"])
@@ -296,6 +300,7 @@ def test_train_gpt_resume_is_bit_exact(tmp_path):
     assert fork["train"]["loss"] == switched["train"]["loss"] and fork["val"] == switched["val"]
     assert fork["val"]["loss"][0] != whole["val"]["loss"][0]
     assert fork["high_precision_from_step"] == switched["high_precision_from_step"] == 2
+    assert switched["summary"]["served_val_loss"] is None  # a model that ended in BF16 is not served in FP4
 
 
 def test_train_gpt_time_limit_and_resume(tmp_path, capsys):

@@ -1,0 +1,431 @@
+"""From FP4 training to FP4 serving: the trained model as an NVFP4 checkpoint (docs/export.md).
+
+``export(model, path, backend=backend)`` writes a folder in the compressed-tensors format
+(``quantization_config.quant_method = "compressed-tensors"``, format ``nvfp4-pack-quantized``), which
+transformers and vLLM read. Every FP4 GEMM site of the backend's plan is written as
+
+- ``<site>.weight_packed``: uint8 [N, K/2], two E2M1 codes per byte, the even element in the low nibble;
+- ``<site>.weight_scale``: float8_e4m3fn [N, K/16], one scale per 16 elements of a row;
+- ``<site>.weight_global_scale``: float32 [1], compressed-tensors' ``448 * 6 / amax``;
+- with ``scheme="NVFP4"`` (W4A4) also ``<site>.input_global_scale``: float32 [1], ``448 * 6 / amax``
+  of the activation range from ``calibrate``;
+
+holding the codes and scales of the training forward's quantization of the weight as it is now (NVFP4
+16x16 tiles, round-to-nearest-even, the tensor's own amax: a tile's scale repeated on its 16 rows is
+exactly the 1x16 scale of each row). High-precision layers are written as plain BF16 weights and
+their ``nn.Linear`` modules listed under ``ignore``.
+
+``served(model, backend, scheme)`` runs a model as the exported checkpoint computes (FP4 weights
+quantized once; activations quantized as in serving with W4A4), and ``calibrate`` measures the
+activation ranges W4A4 needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from . import formats
+from .model_structure import site_name
+
+__all__ = ["SCHEMES", "ExportSite", "calibrate", "export", "export_sites", "quantized_weight", "served", "site_tensors"]
+
+# scheme -> whether the activations are quantized too (compressed-tensors' preset names).
+SCHEMES = {"NVFP4": True, "NVFP4A16": False}
+FORMAT = "nvfp4-pack-quantized"
+QUANTIZATION_CONFIG_FILE = "quantization_config.json"
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSite:
+    """An FP4 GEMM site as export sees it: ``name`` (the weight's path without ``.weight``), the weight's
+    parameter name, and whether the GEMM multiplies by the parameter's transpose (GPT-2's Conv1D
+    ``addmm(b, x, W)`` and ``x @ W`` hold W as [in, out])."""
+
+    name: str
+    parameter: str
+    transposed: bool
+
+
+def export_sites(backend) -> list[ExportSite]:
+    """The FP4 weight sites of ``backend``'s plan (products of two activations have no weight to
+    export), in plan order; a weight that several GEMMs read (``name#2``) once."""
+    if backend is None or not hasattr(backend, "report"):
+        raise TypeError(
+            "export needs the fp4compile.Backend the model was trained with (backend=...): its plan says which "
+            f"GEMMs ran in FP4; got {type(backend).__name__}"
+        )
+    views = backend.report.sites
+    if not views:
+        raise ValueError(
+            "the backend has compiled no GEMM site yet: run the compiled model once (a training step) before "
+            "exporting, so that its precision plan exists"
+        )
+    fmts = sorted({v.precision for v in views if v.precision != "high"})
+    if "mxfp4" in fmts:
+        raise NotImplementedError(
+            "export writes NVFP4 checkpoints; this model was trained with MXFP4 (Recipe(fmt='mxfp4')), whose "
+            "power-of-two 1x32 scales the nvfp4-pack-quantized format cannot hold. Exporting it as NVFP4 would "
+            "quantize again with another format's error; compressed-tensors' mxfp4-pack-quantized format is not "
+            "written yet"
+        )
+    sites: dict[str, ExportSite] = {}
+    for view in views:
+        if view.precision == "high" or view.kind == "activation_matmul":
+            continue
+        name = view.name.split("#", 1)[0]
+        sites.setdefault(name, ExportSite(name, name + ".weight", view.kind in ("addmm", "matmul")))
+    return list(sites.values())
+
+
+def _weight_block(backend) -> str:
+    return backend.recipe.weight_block
+
+
+def quantized_weight(weight: torch.Tensor, transposed: bool = False, block: str = "16x16") -> formats.QTensor:
+    """The training forward's NVFP4 quantization of a GEMM weight as it is now: the parameter as stored
+    (float32 master weights), [out, in] as the GEMM multiplies it, round-to-nearest-even with its own
+    amax (``fp4.quantize(W, "nvfp4", "16x16", "rne", ...)`` in fprop; the next forward uses exactly these
+    bits). ``transposed``: the parameter is [in, out] (GPT-2's Conv1D)."""
+    w = weight.detach()
+    if transposed:
+        w = w.t()
+    return formats.quantize(w, "nvfp4", block, "rne")
+
+
+def site_tensors(q: formats.QTensor, input_amax: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors of one site (names without the ``<site>.`` prefix) from its weight's
+    quantization ``q`` and, for W4A4, its activation amax."""
+    if q.fmt != "nvfp4" or q.block not in ("16x16", "1x16") or len(q.shape) != 2:
+        raise ValueError(f"site_tensors takes a 2-D NVFP4 weight quantization, got {q.fmt} {q.block} of shape {tuple(q.shape)}")
+    out = {
+        "weight_packed": q.data.view(torch.uint8),
+        # A 16x16 tile's scale is stored on each of its rows: the [N, K/16] row scales serving expects.
+        "weight_scale": q.scales.contiguous(),
+        # compressed-tensors decodes value * (weight_scale / global_scale); the training decode is
+        # value * weight_scale * amax / 2688, and the training quantizer's S_enc = 2688 / amax is that
+        # global scale (the same float32 the codes were made with).
+        "weight_global_scale": formats.global_encode_scale(q.amax.float()).reshape(1),
+    }
+    if input_amax is not None:
+        out["input_global_scale"] = formats.global_encode_scale(torch.as_tensor(input_amax, dtype=torch.float32)).reshape(1)
+    return out
+
+
+def _is_hf_model(model: torch.nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model.config, "to_json_string") and hasattr(model, "save_pretrained")
+
+
+def _check_sites(model: torch.nn.Module, sites: list[ExportSite], hf: bool) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for site in sites:
+        p = params.get(site.parameter)
+        if p is None or p.dim() != 2:
+            raise ValueError(
+                f"FP4 site {site.name!r} of the backend's plan has no 2-D parameter {site.parameter!r} in "
+                f"{type(model).__name__}: export the model the backend compiled (the root model)"
+            )
+        if not hf:
+            continue
+        owner = _module_of(model, site)
+        if not isinstance(owner, torch.nn.Linear):
+            reason = ""
+            if site.transposed:
+                reason = (
+                    f" ({type(owner).__name__} holds its weight as [in, out]; transformers keeps these modules "
+                    "when loading, and compressed-tensors quantizes nn.Linear and nn.Embedding only, so the "
+                    "packed weights would not be loaded)"
+                )
+            raise NotImplementedError(
+                f"cannot export FP4 site {site.name!r} as compressed-tensors: it is a {type(owner).__name__}, "
+                f"not an nn.Linear{reason}. Keep it in high precision (Recipe(high_precision_modules=...)) or "
+                "export with save_pretrained"
+            )
+
+
+def quantization_config(scheme: str, ignore: list[str], weight_block: str = "16x16") -> dict:
+    """The ``quantization_config`` entry of config.json: compressed-tensors' NVFP4 / NVFP4A16 presets,
+    targeting ``nn.Linear`` modules, ``ignore`` the high-precision ones."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {sorted(SCHEMES)}, got {scheme!r}")
+    fp4 = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+           "scale_dtype": "torch.float8_e4m3fn"}
+    group = {"targets": ["Linear"], "weights": dict(fp4, dynamic=False), "input_activations": None,
+             "output_activations": None, "format": None}
+    if SCHEMES[scheme]:
+        # Block scales per token at run time (dynamic "local"), the global scale from the checkpoint.
+        group["input_activations"] = dict(fp4, dynamic="local", observer="static_minmax")
+    return {
+        "quant_method": "compressed-tensors",
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": sorted(ignore),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        # Where this checkpoint came from: the training forward's own quantization, not a PTQ pass.
+        "producer": {"name": "fp4compile", "weight_block": weight_block},
+    }
+
+
+class _ShardWriter:
+    """Writes safetensors shards of at most ``max_bytes`` each as tensors arrive, so that export holds
+    one shard of converted tensors at a time, never a second copy of the whole model."""
+
+    def __init__(self, path: Path, max_bytes: int):
+        self.path, self.max_bytes = path, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[str, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        name = f"model-{len(self.shards) + 1:05d}.safetensors.part"
+        save_file(self.pending, str(self.path / name), metadata={"format": "pt"})
+        self.shards.append((name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        """Name the shards as transformers expects: ``model.safetensors``, or numbered shards and an index."""
+        self.flush()
+        n = len(self.shards)
+        if n == 1:
+            os.replace(self.path / self.shards[0][0], self.path / "model.safetensors")
+            return
+        weight_map = {}
+        for i, (part, names) in enumerate(self.shards, 1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            os.replace(self.path / part, self.path / final)
+            weight_map.update({k: final for k in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.path / _SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _tensors(model: torch.nn.Module, sites: list[ExportSite], input_amax: Optional[dict], dtype: torch.dtype,
+             block: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the checkpoint, one state-dict entry at a time: an FP4 weight becomes its site's
+    compressed tensors (quantized when its turn comes), a tied duplicate is left out (transformers ties
+    it again on load), other floating tensors are cast to ``dtype``."""
+    by_param = {s.parameter: s for s in sites}
+    seen: set = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)) if tensor.numel() else None
+        if key is not None and key in seen:
+            continue
+        if key is not None:
+            seen.add(key)
+        site = by_param.get(name)
+        if site is not None:
+            amax = None if input_amax is None else input_amax[site.name]
+            q = quantized_weight(tensor, site.transposed, block)
+            for suffix, t in site_tensors(q, amax).items():
+                yield f"{site.name}.{suffix}", t
+        elif tensor.is_floating_point():
+            yield name, tensor.detach().to(dtype)
+        else:
+            yield name, tensor.detach()
+
+
+def export(
+    model: torch.nn.Module,
+    path,
+    backend=None,
+    scheme: str = "NVFP4",
+    input_amax: Optional[dict] = None,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: int = 2 * 1024**3,
+) -> Path:
+    """Write ``model`` (trained with ``backend``) as an NVFP4 checkpoint in the compressed-tensors format.
+
+    scheme: "NVFP4" (W4A4: FP4 weights and activations; needs ``input_amax`` from ``calibrate``) or
+    "NVFP4A16" (FP4 weights, activations in ``dtype``).
+    input_amax: {site name: activation amax} (``calibrate``'s result).
+    dtype: the type of every tensor that is not an FP4 weight (high-precision layers, norms, embeddings).
+    max_shard_size: bytes per safetensors file; export holds at most one file's tensors at a time.
+
+    A Hugging Face model gets the folder ``save_pretrained`` writes (config.json with the
+    ``quantization_config``, generation_config.json, safetensors shards); any other model the same
+    safetensors files and ``quantization_config.json``. Returns the folder's path.
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {sorted(SCHEMES)}, got {scheme!r}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"export takes the trained nn.Module, got {type(model).__name__}")
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the model itself
+    sites = export_sites(backend)
+    hf = _is_hf_model(model)
+    _check_sites(model, sites, hf)
+    block = _weight_block(backend)
+    if block not in ("16x16", "1x16"):
+        raise NotImplementedError(f"export writes NVFP4 weights; the recipe quantizes weights in {block} blocks")
+    if SCHEMES[scheme]:
+        if input_amax is None:
+            raise ValueError(
+                "scheme='NVFP4' quantizes activations with a global scale from their range: pass "
+                "input_amax=fp4compile.calibrate(model, batches, backend=backend), or use scheme='NVFP4A16' "
+                "(weights only)"
+            )
+        missing = [s.name for s in sites if s.name not in input_amax]
+        if missing:
+            raise ValueError(f"input_amax has no activation amax for FP4 sites {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        bad = {k: float(v) for k, v in input_amax.items() if not (torch.isfinite(torch.as_tensor(v)) and float(v) >= 0)}
+        if bad:
+            raise ValueError(f"input_amax must be finite and >= 0; got {bad}")
+    else:
+        input_amax = None
+    if max_shard_size <= 0:
+        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    exported = {s.name for s in sites}
+    ignore = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in exported]
+    config = quantization_config(scheme, ignore, block)
+
+    writer = _ShardWriter(out, max_shard_size)
+    with torch.no_grad():
+        for name, tensor in _tensors(model, sites, input_amax, dtype, block):
+            writer.add(name, tensor)
+    writer.close()
+
+    if hf:
+        model.config.save_pretrained(out)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and getattr(model, "can_generate", lambda: False)():
+            generation.save_pretrained(out)
+        config_file = out / "config.json"
+        data = json.loads(config_file.read_text())
+        data["quantization_config"] = config
+        data["dtype"] = str(dtype).removeprefix("torch.")
+        config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    else:
+        (out / QUANTIZATION_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The served model: what the exported checkpoint computes
+# ---------------------------------------------------------------------------------------------
+
+
+def _module_of(model: torch.nn.Module, site: ExportSite) -> torch.nn.Module:
+    path = site.parameter.rsplit(".", 1)[0] if "." in site.parameter else ""
+    return model.get_submodule(path)
+
+
+def _quantize_activation(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """x as a W4A4 server sees it: NVFP4 1x16 blocks along the features with the checkpoint's static
+    global scale (from ``amax``) and per-block scales of this x; values above amax saturate."""
+    q = formats.quantize(x, "nvfp4", "1x16", "rne", amax=amax.to(x.device))
+    return formats.dequantize(q, x.dtype)
+
+
+@contextlib.contextmanager
+def served(model: torch.nn.Module, backend, scheme: str = "NVFP4A16", input_amax: Optional[dict] = None):
+    """Run ``model`` as its exported checkpoint computes, for evaluation (no gradients):
+
+    each FP4 weight is quantized once on entry, as ``export`` writes it, and its decoded values replace
+    the parameter's while the block runs (the master weights come back on exit); with ``scheme="NVFP4"``
+    (W4A4) each FP4 layer's input is quantized in 1x16 blocks with the global scale ``input_amax`` gives
+    it, as a W4A4 server does. Call the plain module inside (not the one compiled for training).
+    """
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {sorted(SCHEMES)}, got {scheme!r}")
+    model = getattr(model, "_orig_mod", model)
+    sites = export_sites(backend)
+    _check_sites(model, sites, hf=False)
+    if SCHEMES[scheme] and input_amax is None:
+        raise ValueError("scheme='NVFP4' needs input_amax (fp4compile.calibrate(model, batches, backend=backend))")
+    block = _weight_block(backend)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    saved, hooks = [], []
+    try:
+        with torch.no_grad():
+            for site in sites:
+                p = params[site.parameter]
+                decoded = formats.dequantize(quantized_weight(p, site.transposed, block), p.dtype)
+                saved.append((p, p.data))
+                p.data = decoded.t().contiguous() if site.transposed else decoded
+                if SCHEMES[scheme]:
+                    amax = torch.as_tensor(input_amax[site.name], dtype=torch.float32)
+                    hooks.append(_module_of(model, site).register_forward_pre_hook(
+                        lambda m, args, amax=amax: (_quantize_activation(args[0], amax), *args[1:])
+                    ))
+        with torch.no_grad():
+            yield model
+    finally:
+        for h in hooks:
+            h.remove()
+        for p, data in saved:
+            p.data = data
+
+
+def calibrate(model: torch.nn.Module, batches: Iterable, backend, forward=None) -> dict[str, torch.Tensor]:
+    """{FP4 site: max |input|} over ``batches``, for ``export(scheme="NVFP4")``'s activation global scales.
+
+    Runs the model with its FP4 weights as served (``served(..., "NVFP4A16")``), without gradients,
+    so the ranges are those the exported model's layers see. ``forward(model, batch)`` runs one batch
+    (default ``model(batch)``, or ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict). Under
+    ``torch.autocast`` the inputs are measured in the autocast type, as the GEMMs read them. The result
+    is the running maximum over the batches: a checkpoint's ``input_global_scale`` maps it to the largest
+    FP4 value, and larger activations in serving saturate.
+    """
+    model = getattr(model, "_orig_mod", model)
+    sites = export_sites(backend)
+    amax: dict[str, torch.Tensor] = {}
+
+    def record(name):
+        def hook(module, args):
+            x = args[0]
+            if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+                x = x.to(torch.get_autocast_dtype(x.device.type))
+            value = x.detach().abs().amax().float() if x.numel() else torch.zeros(())
+            # One running max per site, on the device: no host sync per batch.
+            amax[name] = torch.maximum(amax[name], value) if name in amax else value
+        return hook
+
+    run = forward or _call
+    n = 0
+    with served(model, backend, "NVFP4A16") as m:
+        hooks = [_module_of(m, s).register_forward_pre_hook(record(s.name)) for s in sites]
+        try:
+            for batch in batches:
+                run(m, batch)
+                n += 1
+        finally:
+            for h in hooks:
+                h.remove()
+    if n == 0:
+        raise ValueError("calibrate got no batches")
+    missing = [s.name for s in sites if s.name not in amax]
+    if missing:
+        raise ValueError(f"calibrate: the batches never reached FP4 sites {missing[:5]}")
+    return {k: v.cpu() for k, v in amax.items()}
+
+
+def _call(model, batch):
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
