@@ -118,7 +118,7 @@ def measure(tk, name, spec, dump_dir=None, arch: int = 90) -> dict:
     }
     source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(
-        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False}
+        source, target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg["num_warps"]}
     )
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, f"{name}.cubin")

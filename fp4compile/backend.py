@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from fp4compile import aot_cache, compile_gc, config, grad_buffers, runtime
+from fp4compile import config, grad_buffers, runtime
 from fp4compile.passes import pipeline
 from fp4compile.model_structure import ModelStructure, find_root
 from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, module_path, parameter_name, regions
@@ -247,11 +247,8 @@ class Backend:
     # -- compilation ---------------------------------------------------------------------------
 
     def __call__(self, gm: fx.GraphModule, example_inputs, mode: Optional[str] = None, options: Optional[dict] = None):
-        from fp4compile.codegen import precompile
-
         if mode is not None or options:  # torch.compile(model, backend=Backend(...), mode=..., options=...)
             self.configure(mode, options)
-        precompile.prepare()  # start the kernel compile workers while the graph is traced and rewritten
         check_gemm_dtypes(gm)
         original = clone_dynamo_module(gm)
         scope = _ModelScope.find(gm, example_inputs, self)
@@ -302,6 +299,7 @@ class Backend:
         config = self._inductor_config(graph_id) if self.inner == "inductor" else {}
         recipe = self._effective_recipe(config)
         ctx = CompileContext(recipe, graph_id, model, parameter_names)
+        ctx.inner = self.inner
         if high_precision:
             user_passes = [_all_high_precision]
         else:
@@ -314,20 +312,10 @@ class Backend:
         ctx.grad_buffers = list(buffer_plan.names) if buffer_plan is not None else []
 
         def aot_passes(graph: fx.GraphModule, stage: str) -> fx.GraphModule:
-            graph = pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage, self.print_ir_after)
-            from fp4compile.codegen import precompile
-
-            precompile.start(graph, f"graph {graph_id} {stage}")  # its Triton kernels, while Inductor works
-            return graph
+            return pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage, self.print_ir_after)
 
         if self.inner == "inductor":
-            cache_key = None
-            cacheable, why_not = aot_cache.enabled(self.print_ir_after, example_inputs)
-            if cacheable:
-                cache_key = aot_cache.digest(ctx, example_inputs, ctx.grad_buffers)
-            else:
-                log.debug("fp4compile: graph %d: not put in AOTAutograd's cache: %s", graph_id, why_not)
-            compiled = _compile_inductor(gm, example_inputs, aot_passes, config, ctx, cache_key)
+            compiled = _compile_inductor(gm, example_inputs, aot_passes, config)
         else:
             compiled = _compile_eager(gm, example_inputs, aot_passes)
         return grad_buffers.wrap(compiled, buffer_plan) if buffer_plan is not None else compiled
@@ -399,99 +387,19 @@ def _all_high_precision(gm, ctx):
 _all_high_precision.pass_name = "switch_to_high_precision"
 
 
-def _compile_inductor(gm, example_inputs, aot_passes, config_patches, ctx: CompileContext, cache_key=None):
+def _compile_inductor(gm, example_inputs, aot_passes, config_patches):
     """Inductor's compile of ``gm`` with fp4compile's passes run on the forward and backward graphs.
 
-    ``cache_key`` (``aot_cache.digest``): AOTAutograd's on-disk cache may keep and serve the result; on
-    a hit the passes do not run, what they logged is logged again from the entry's record and the
-    report's graphs are rebuilt when it is read. None: the graph stays out of that cache."""
+    The passes run on every compile; Inductor's FX graph cache, keyed on the graphs they produce, serves
+    the compiled code of a graph it has seen (a restarted job). AOTAutograd's own cache, which would skip
+    the passes, does not take graphs that call ``fp4_linear``."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-
-    from torch._dynamo.utils import counters
-
-    record = original = values = None
-    if cache_key is not None:
-        values = _example_values(gm, example_inputs)
-        record = aot_cache.Record(cache_key, gm.code, values)
-        original = clone_dynamo_module(gm)
-        config_patches = aot_cache.config_patches(cache_key, config_patches)
-    stages = []
-    hits = counters["aot_autograd"]["autograd_cache_hit"]
 
     def inner_compile(graph, inputs, **kwargs):
         stage = "backward" if kwargs.get("is_backward") else "forward"
-        stages.append(stage)
-        with compile_gc.relaxed():  # the backward compiles at the first backward, outside Backend._compile
-            logged = len(ctx.fallbacks)
-            graph = aot_passes(graph, stage)
-            if record is not None:
-                record.save(stage, ctx.fallbacks[logged:])
-            return compile_fx_inner(graph, inputs, **kwargs)
+        return compile_fx_inner(aot_passes(graph, stage), inputs, **kwargs)
 
-    compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
-    served = counters["aot_autograd"]["autograd_cache_hit"] > hits
-    if record is not None and served and not stages:  # AOTAutograd's cache served the graphs: no pass ran
-        _served_from_cache(ctx, record, original, values, config_patches)
-    return compiled
-
-
-def _example_values(gm: fx.GraphModule, example_inputs) -> list:
-    """Dynamo's example values of ``gm``'s inputs (fake tensors, symbolic sizes as dynamo traced them), or
-    ``example_inputs`` where a placeholder lacks one or does not match the input's kind."""
-    values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(values) == len(example_inputs) and all(
-        v is not None and isinstance(v, torch.Tensor) == isinstance(t, torch.Tensor)
-        for v, t in zip(values, example_inputs)
-    ):
-        return values
-    return list(example_inputs)
-
-
-def _served_from_cache(ctx: CompileContext, record, original, inputs, config_patches) -> None:
-    """After an AOTAutograd cache hit: log what the passes logged when the entry was made, and let the
-    report rebuild the forward and backward graphs when read (at once where the record is missing).
-    ``inputs``: ``_example_values`` of the graph, which the rebuild traces (dynamo's fake tensors, not the
-    call's inputs, which it would otherwise keep alive until the report is read)."""
-    tracing_context = torch._guards.TracingContext.try_get()
-    state = aot_cache.runtime_state()
-
-    def rebuild():
-        import contextlib
-
-        from functorch.compile import make_boxed_func
-        from torch._inductor.compile_fx import compile_fx
-
-        def passes_only(graph, inputs, **kwargs):
-            stage = "backward" if kwargs.get("is_backward") else "forward"
-            graph = pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage)
-            return make_boxed_func(graph.forward)  # the cached graphs run; this is for the report only
-
-        cache_off = torch._functorch.config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True)
-        with contextlib.ExitStack() as modes:  # the grad mode and autocast the graph was compiled under
-            modes.enter_context(torch.set_grad_enabled(state["grad"]))
-            now = aot_cache.runtime_state()["autocast"]
-            for device, dtype in state["autocast"].items():
-                if now[device] != dtype:
-                    modes.enter_context(torch.autocast(device, dtype=dtype, enabled=dtype is not None))
-            modes.enter_context(torch._guards.tracing(tracing_context))
-            modes.enter_context(cache_off)
-            modes.enter_context(compile_gc.relaxed())
-            compile_fx(clone_dynamo_module(original), inputs, inner_compile=passes_only,
-                       config_patches=config_patches or None)
-
-    ctx.served_from_cache(rebuild)
-    logged = record.load()
-    log.info(
-        "fp4compile: graph %d: compiled graphs served from AOTAutograd's cache; fp4compile's passes did not "
-        "run (the report rebuilds their graphs when read)", ctx.graph_id,
-    )
-    if logged is None:
-        log.info("fp4compile: graph %d: no record of what its passes logged; running them again", ctx.graph_id)
-        ctx.restore(quiet=False)
-        return
-    for stage in ("forward", "backward"):
-        for message in logged.get(stage, []):
-            log.warning("fp4compile: %s", message)
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
 
 
 def _compile_eager(gm, example_inputs, aot_passes):
@@ -500,8 +408,7 @@ def _compile_eager(gm, example_inputs, aot_passes):
 
     def compiler(stage):
         def compile_graph(graph, inputs):
-            with compile_gc.relaxed():
-                return make_boxed_func(aot_passes(graph, stage).forward)
+            return make_boxed_func(aot_passes(graph, stage).forward)
 
         return compile_graph
 
@@ -555,7 +462,7 @@ class _SwitchableGraph:
                 model, names = self.scope.structure, self.scope.parameter_names(args)
             if high_precision:
                 log.info("fp4compile: graph %d: recompiling in high precision", graph_id)
-            with torch._guards.tracing(self.tracing_context), compile_gc.relaxed():
+            with torch._guards.tracing(self.tracing_context):
                 self.compiled[key] = self.backend._compile(
                     gm, self.example_inputs, graph_id, high_precision, model, names
                 )

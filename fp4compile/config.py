@@ -26,17 +26,9 @@ print_ir_after: str = ""
 emulated_gemm: str = "auto"
 """The GEMM the emulation runs on CUDA: "auto" (cuBLASLt where it can run), "cublaslt" (required), "torch"."""
 
-precompile: str = "threads"
-"""Where fp4compile's Triton kernels compile while Inductor compiles a graph: "threads", "processes", "off"."""
 
-precompile_threads: Optional[int] = None
-"""How many workers compile them; None: min(8, CPUs - 1) threads or min(4, CPUs - 1) processes."""
 
-compile_gc_threshold: int = 50_000
-"""Python's first garbage-collector threshold while a graph compiles; 0 leaves the collector alone."""
 
-aot_cache: bool = True
-"""Whether fp4compile's graphs go into AOTAutograd's on-disk cache."""
 
 cache_dir: Optional[str] = None
 """Where built CUTLASS kernels are cached; None: ``~/.cache/fp4compile``."""
@@ -44,7 +36,6 @@ cache_dir: Optional[str] = None
 nvcc: Optional[str] = None
 """The nvcc that builds CUTLASS kernels; None: ``$CUDA_HOME/bin/nvcc``, else nvcc on ``PATH``."""
 
-MAX_GC_THRESHOLD = 2**31 - 1
 _OFF = ("0", "false", "no", "off")
 
 
@@ -76,25 +67,6 @@ class _Choice:
         return value
 
 
-class _Count:
-    """A whole number from ``low`` to ``high``."""
-
-    def __init__(self, low: int, high: int, expected: str):
-        self.low, self.high, self.expected = low, high, expected
-
-    def parse(self, text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise ValueError(f"expected {self.expected}") from None
-        return self.check(value)
-
-    def check(self, value) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not self.low <= value <= self.high:
-            raise ValueError(f"expected {self.expected}")
-        return value
-
-
 class _Text:
     """Text as given (a path, a list of names)."""
 
@@ -116,16 +88,6 @@ SETTINGS: dict[str, Setting] = {
     "check_finite": Setting("FP4COMPILE_CHECK_FINITE", _Flag()),
     "print_ir_after": Setting("FP4COMPILE_PRINT_IR_AFTER", _Text()),
     "emulated_gemm": Setting("FP4COMPILE_EMULATED_GEMM", _Choice(("auto", "cublaslt", "torch"), "auto, cublaslt or torch")),
-    "precompile": Setting("FP4COMPILE_PRECOMPILE", _Choice(
-        ("threads", "processes", "off"), "1 or threads (the default), processes, or 0 (off)",
-        aliases={"1": "threads", "true": "threads", "yes": "threads", "on": "threads",
-                 **{off: "off" for off in _OFF}},
-    )),
-    "precompile_threads": Setting("FP4COMPILE_PRECOMPILE_THREADS", _Count(1, 2**31 - 1, "a whole number of workers, 1 or more")),
-    "compile_gc_threshold": Setting("FP4COMPILE_COMPILE_GC_THRESHOLD", _Count(
-        0, MAX_GC_THRESHOLD, f"a whole number of allocations between 0 and {MAX_GC_THRESHOLD} (0 leaves the collector alone)",
-    )),
-    "aot_cache": Setting("FP4COMPILE_AOT_CACHE", _Flag()),
     "cache_dir": Setting("FP4COMPILE_CACHE_DIR", _Text()),
     "nvcc": Setting("FP4COMPILE_NVCC", _Text()),
 }

@@ -16,37 +16,73 @@ in buffers; ``formats.QTensor`` is rebuilt inside the implementations.
 | ``fp4.fake_quantize(x, fmt, block, rounding, seed)`` / ``fp4.fake_rht_quantize(x, size, ...)`` | block-decoded operand (bf16) and amax |
 | ``fp4.fake_dual_quantize(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t)`` | the two decoded operands of a gradient (1x16, and RHT(x.T)) in one launch |
 | ``fp4.emulated_mm(a_bd, amax_a, b_bd, amax_b, fmt, out_dtype)`` | emulated FP4 GEMM on block-decoded operands |
+| ``fp4.sr_base(device)`` | the step's stochastic-rounding base on the device (int64 [1]), read when the graph runs |
+
+The ops with Triton kernels (the quantizers, ``wgrad_amax``, ``transpose_quantized``, ``decode_blocks``)
+are ``torch.library.triton_op``s: the ``lower_kernels`` pass replaces each call that a kernel takes by
+the kernels themselves, which Inductor then compiles, caches and launches like its own. Called eagerly
+(or where no kernel takes the call) the same function runs: the kernels on CUDA, else the reference.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import contextlib
+import threading
+from typing import Optional
 
 import torch
+from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from . import formats
 from . import runtime
 
-_IMPLEMENTATIONS: dict[str, Callable] = {}  # "fp4::name" -> the op's Python function
-
-
 def _custom_op(name: str):
-    """``torch.library.custom_op(name)`` for a function without mutated arguments, keeping the function
-    for ``implementation``."""
+    """``torch.library.custom_op(name)`` for a function without mutated arguments: an op that stays one
+    node in every graph (its implementation runs when the compiled graph runs)."""
 
     def register(fn):
-        _IMPLEMENTATIONS[name] = fn
         return torch.library.custom_op(name, mutates_args=())(fn)
 
     return register
 
 
-def implementation(op) -> Optional[Callable]:
-    """The Python function an fp4 op overload (``torch.ops.fp4.quantize.default``) runs on real tensors,
-    called directly (no dispatch); None for anything else. ``codegen.precompile`` runs it on fake tensors."""
-    schema = getattr(op, "_schema", None)
-    return _IMPLEMENTATIONS.get(schema.name) if schema is not None and not schema.overload_name else None
+_lowering = threading.local()
 
+
+@contextlib.contextmanager
+def tracing_kernels():
+    """While active in this thread, a functional trace (``make_fx`` under ``FunctionalTensorMode``) of a
+    kernel op records the op's implementation instead of the op: its Triton kernels as
+    ``triton_kernel_wrapper_functional`` nodes, which Inductor compiles, caches and launches in its
+    generated code. The ``lower_kernels`` pass traces with it; elsewhere (AOTAutograd's trace of the
+    model) kernel ops stay single nodes, so that the passes see them."""
+    previous = getattr(_lowering, "active", False)
+    _lowering.active = True
+    try:
+        yield
+    finally:
+        _lowering.active = previous
+
+
+def _kernel_op(name: str):
+    """``torch.library.triton_op(name)``: an op whose CUDA implementation is Triton kernels launched
+    through ``wrap_triton`` (``codegen.triton_kernels``), decomposed into them only by a trace under
+    ``tracing_kernels`` (not by every functional trace, as ``triton_op`` does by default). The same
+    function runs eagerly on every device: the reference implementation where no kernel takes the call."""
+
+    def register(fn):
+        op = torch.library.triton_op(name, fn, mutates_args=())
+
+        def functional(mode, op_overload, types, args, kwargs):
+            if not getattr(_lowering, "active", False):
+                return mode.__torch_dispatch__(op_overload, types, args, kwargs)
+            with mode:
+                return fn(*args, **kwargs)
+
+        op.register_torch_dispatch(FunctionalTensorMode, functional)
+        return op
+
+    return register
 
 
 def _qtensor(data, scales, amax, fmt, block, shape, dtype=torch.float32) -> formats.QTensor:
@@ -99,12 +135,29 @@ def _(a, b, role, site, dtype, b_codes=None, b_scales=None, b_amax=None, x_amax=
 # ---------------------------------------------------------------------------------------------
 
 
-def _kernel_stream(x: torch.Tensor, rounding: str, node: int):
+@_custom_op("fp4::sr_base")
+def sr_base(device: torch.device) -> torch.Tensor:
+    """A copy of the current step's stochastic-rounding base on ``device`` (int64 [1]): what a graph's
+    quantize kernels mix their node constants with (``seed_base``). A copy made when the graph runs, from
+    the tensor the runtime rewrites at every step (``runtime.device_base``): recorded in a CUDA graph, each
+    replay copies that step's base."""
+    return runtime.device_base(device).clone()
+
+
+@sr_base.register_fake
+def _(device):
+    return torch.empty(1, dtype=torch.int64, device=device)
+
+
+def _kernel_stream(x: torch.Tensor, rounding: str, node: int, seed_base: Optional[torch.Tensor] = None):
     """The SR stream a fast kernel takes: on CUDA a ``runtime.DeviceSeed`` (the kernel mixes the node's
     constant with the step's base on the device, so CUDA graph replays draw fresh bits), elsewhere the
-    seed itself."""
+    seed itself. ``seed_base``: the step's base as a tensor the graph holds (``fp4.sr_base``); without it
+    the runtime's own copy on the device is read."""
     if rounding != "sr":
         return 0
+    if seed_base is not None and x.is_cuda:
+        return runtime.DeviceSeed(int(node), seed_base)
     return runtime.device_seed(node, x.device) if x.is_cuda else runtime.sr_seed(node)
 
 
@@ -133,11 +186,12 @@ def _given_amax(amax: Optional[torch.Tensor], fmt: str, x: torch.Tensor, what: s
     return {"amax": amax, "amax_is_own": True}
 
 
-def _run_kernel(kernel, x, rounding: str, node: int, fmt: str, amax: Optional[torch.Tensor], what: str) -> tuple:
+def _run_kernel(kernel, x, rounding: str, node: int, fmt: str, amax: Optional[torch.Tensor], what: str,
+                seed_base: Optional[torch.Tensor] = None) -> tuple:
     """A quantize kernel's outputs (..., amax) for x, handed x's own ``amax`` where an earlier node
     computed it; that amax, which the kernel returns as it is, is copied: an op's output may not alias
     its input."""
-    outputs = kernel(x, rounding, _kernel_stream(x, rounding, node), **_given_amax(amax, fmt, x, what))
+    outputs = kernel(x, rounding, _kernel_stream(x, rounding, node, seed_base), **_given_amax(amax, fmt, x, what))
     if amax is None:
         return outputs
     return (*outputs[:-1], outputs[-1].clone())
@@ -145,11 +199,11 @@ def _run_kernel(kernel, x, rounding: str, node: int, fmt: str, amax: Optional[to
 
 def _quantize(
     x: torch.Tensor, fmt: str, block: str, rounding: str, node: int, amax: Optional[torch.Tensor] = None,
-    what: str = "fp4.quantize",
+    what: str = "fp4.quantize", seed_base: Optional[torch.Tensor] = None,
 ):
     kernel = runtime.quantize_kernel(x, fmt, block)
     if kernel is not None:
-        return _run_kernel(kernel, x, rounding, node, fmt, amax, what)
+        return _run_kernel(kernel, x, rounding, node, fmt, amax, what, seed_base)
     _given_amax(amax, fmt, x, what)  # the checks of a given amax, as on the kernel path
     stream = _host_stream(x, rounding, node, "fp4.quantize")
     q = formats.quantize(x, fmt, block, rounding, seed=stream, amax=amax)
@@ -157,10 +211,10 @@ def _quantize(
     return q.data.view(torch.uint8), q.scales.view(torch.uint8), amax
 
 
-@_custom_op("fp4::quantize")
+@_kernel_op("fp4::quantize")
 def quantize(
     x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str,
-    amax: Optional[torch.Tensor] = None,
+    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (packed codes uint8 [M, K/2], block scales uint8 [M, K/block], amax fp32 0-dim).
 
@@ -170,9 +224,11 @@ def quantize(
 
     With ``rounding == "sr"`` the random stream is ``runtime.sr_seed(seed)``: the graph's constant mixed
     with the SR state, which advances on every compiled call made with gradients enabled. A non-empty ``check`` names the
-    operand ("layer role operand"): non-finite input then raises ``FloatingPointError``.
+    operand ("layer role operand"): non-finite input then raises ``FloatingPointError``. ``seed_base``
+    (CUDA): the step's SR base as ``fp4.sr_base`` returns it, what the kernel mixes ``seed`` with (the
+    ``lower_kernels`` pass gives it; without it the kernel reads the runtime's copy).
     """
-    data, scales, amax = _quantize(x, fmt, block, rounding, seed, amax)
+    data, scales, amax = _quantize(x, fmt, block, rounding, seed, amax, seed_base=seed_base)
     _check_finite(check, amax, x)
     return data, scales, amax
 
@@ -186,7 +242,7 @@ def _check_finite(check: str, amax: torch.Tensor, x: torch.Tensor, rht_size: int
 
 
 @quantize.register_fake
-def _quantize_fake(x, fmt, block, rounding, seed, check, amax=None):
+def _quantize_fake(x, fmt, block, rounding, seed, check, amax=None, seed_base=None):
     cols = formats._BLOCK_SHAPES[block][1]
     shape = x.shape[:-1]
     return (
@@ -196,10 +252,10 @@ def _quantize_fake(x, fmt, block, rounding, seed, check, amax=None):
     )
 
 
-@_custom_op("fp4::rht_quantize")
+@_kernel_op("fp4::rht_quantize")
 def rht_quantize(
     x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str,
-    amax: Optional[torch.Tensor] = None,
+    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fp4.quantize(fp4.rht(x, size), ...)`` in one op: what the weight-gradient operands need.
 
@@ -207,23 +263,26 @@ def rht_quantize(
     the two ops. Where a fused kernel takes the call (on CUDA: for NVFP4 a Triton kernel pair, for MXFP4
     1x32 one Triton kernel, that reads x, transforms it summing in the reference's order, and quantizes)
     the RHT output is never written out. Elsewhere the op runs ``formats.rht`` and then the quantizer.
-    A given ``amax`` (NVFP4) is that of ``formats.rht(x, size)`` (``fp4.wgrad_amax``'s second result).
+    A given ``amax`` (NVFP4) is that of ``formats.rht(x, size)`` (``fp4.wgrad_amax``'s second result);
+    ``seed_base`` as ``fp4.quantize``.
     """
     kernel = runtime.rht_quantize_kernel(x, size, fmt, block)
     if kernel is not None:
-        data, scales, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.rht_quantize")
+        data, scales, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.rht_quantize", seed_base)
     else:
-        data, scales, amax = _quantize(formats.rht(x, size), fmt, block, rounding, seed, amax, "fp4.rht_quantize")
+        data, scales, amax = _quantize(
+            formats.rht(x, size), fmt, block, rounding, seed, amax, "fp4.rht_quantize", seed_base
+        )
     _check_finite(check, amax, x, size)
     return data, scales, amax
 
 
 @rht_quantize.register_fake
-def _(x, size, fmt, block, rounding, seed, check, amax=None):
+def _(x, size, fmt, block, rounding, seed, check, amax=None, seed_base=None):
     return _quantize_fake(x, fmt, block, rounding, seed, check)
 
 
-@_custom_op("fp4::wgrad_amax")
+@_kernel_op("fp4::wgrad_amax")
 def wgrad_amax(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(max |x|, max |formats.rht(x.T, size)|) as fp32 0-dim tensors, for x [tokens, K]: the two global
     amaxes a tensor quantized both for a forward/dgrad GEMM (1x16 along K) and for the weight-gradient
@@ -255,10 +314,10 @@ def _decoded(data, scales, amax, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return block_decode(data, scales, amax, fmt).to(torch.bfloat16), amax
 
 
-@_custom_op("fp4::fake_quantize")
+@_kernel_op("fp4::fake_quantize")
 def fake_quantize(
     x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str,
-    amax: Optional[torch.Tensor] = None,
+    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block-decoded ``fp4.quantize(x, ...)`` in bfloat16 with x's shape, amax): the same codes and
     scales, handed to the emulated GEMM already decoded (``fp4.emulated_mm``). Where a kernel takes the
@@ -266,42 +325,45 @@ def fake_quantize(
     no separate decode pass runs. Seeds, the ``check`` label and a given ``amax`` as ``fp4.quantize``."""
     kernel = runtime.fake_quantize_kernel(x, fmt, block)
     if kernel is None:
-        return _decoded(*torch.ops.fp4.quantize.default(x, fmt, block, rounding, seed, check, amax), fmt)
-    decoded, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.fake_quantize")
+        return _decoded(*torch.ops.fp4.quantize.default(x, fmt, block, rounding, seed, check, amax, seed_base), fmt)
+    decoded, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.fake_quantize", seed_base)
     _check_finite(check, amax, x)
     return decoded, amax
 
 
 @fake_quantize.register_fake
-def _(x, fmt, block, rounding, seed, check, amax=None):
+def _(x, fmt, block, rounding, seed, check, amax=None, seed_base=None):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
 
 
-@_custom_op("fp4::fake_rht_quantize")
+@_kernel_op("fp4::fake_rht_quantize")
 def fake_rht_quantize(
     x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str,
-    amax: Optional[torch.Tensor] = None,
+    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block-decoded ``fp4.rht_quantize(x, size, ...)`` in bfloat16, amax): the weight-gradient operand
     as ``fp4.emulated_mm`` reads it. On CUDA (NVFP4) the fused transpose + RHT + quantize kernel writes
     the decoded values directly. A given ``amax`` as ``fp4.rht_quantize``."""
     kernel = runtime.fake_rht_quantize_kernel(x, size, fmt, block)
     if kernel is None:
-        return _decoded(*torch.ops.fp4.rht_quantize.default(x, size, fmt, block, rounding, seed, check, amax), fmt)
-    decoded, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.fake_rht_quantize")
+        return _decoded(
+            *torch.ops.fp4.rht_quantize.default(x, size, fmt, block, rounding, seed, check, amax, seed_base), fmt
+        )
+    decoded, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.fake_rht_quantize", seed_base)
     _check_finite(check, amax, x, size)
     return decoded, amax
 
 
 @fake_rht_quantize.register_fake
-def _(x, size, fmt, block, rounding, seed, check, amax=None):
+def _(x, size, fmt, block, rounding, seed, check, amax=None, seed_base=None):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
 
 
-@_custom_op("fp4::fake_dual_quantize")
+@_kernel_op("fp4::fake_dual_quantize")
 def fake_dual_quantize(
     x: torch.Tensor, size: int, fmt: str, rounding: str, seed: int, check: str,
     rounding_t: str, seed_t: int, check_t: str, amax: torch.Tensor, amax_t: torch.Tensor,
+    seed_base: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``fp4.fake_quantize(x, fmt, "1x16", rounding, seed, check, amax)[0]``,
     ``fp4.fake_rht_quantize(x.t(), size, fmt, "1x16", rounding_t, seed_t, check_t, amax_t)[0]``): a
@@ -310,15 +372,16 @@ def fake_dual_quantize(
     read mostly from L2); elsewhere the two ops run in turn. The bits are those of the two ops."""
     kernel = runtime.fake_dual_quantize_kernel(x, size, fmt)
     if kernel is None:
-        rows = torch.ops.fp4.fake_quantize.default(x, fmt, "1x16", rounding, seed, check, amax)[0]
+        rows = torch.ops.fp4.fake_quantize.default(x, fmt, "1x16", rounding, seed, check, amax, seed_base)[0]
         transformed = torch.ops.fp4.fake_rht_quantize.default(
-            x.t(), size, fmt, "1x16", rounding_t, seed_t, check_t, amax_t
+            x.t(), size, fmt, "1x16", rounding_t, seed_t, check_t, amax_t, seed_base
         )[0]
         return rows, transformed
     _given_amax(amax, fmt, x, "fp4.fake_dual_quantize")
     _given_amax(amax_t, fmt, x, "fp4.fake_dual_quantize")
     rows, transformed = kernel(
-        x, rounding, _kernel_stream(x, rounding, seed), amax, rounding_t, _kernel_stream(x, rounding_t, seed_t), amax_t
+        x, rounding, _kernel_stream(x, rounding, seed, seed_base), amax,
+        rounding_t, _kernel_stream(x, rounding_t, seed_t, seed_base), amax_t,
     )
     _check_finite(check, amax, x)
     _check_finite(check_t, amax_t, x.t(), size)
@@ -326,11 +389,11 @@ def fake_dual_quantize(
 
 
 @fake_dual_quantize.register_fake
-def _(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t):
+def _(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t, seed_base=None):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((x.shape[1], x.shape[0]), dtype=torch.bfloat16)
 
 
-@_custom_op("fp4::transpose_quantized")
+@_kernel_op("fp4::transpose_quantized")
 def transpose_quantized(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of W^T from those of W [N, K] quantized with NVFP4 16x16 tiles: codes [K, N/2] and
     scales [K, N/16] (the tile scales, repeated on each row, as ``formats`` stores them). Bit for bit
@@ -356,7 +419,7 @@ def _(data, scales):
     return data.new_empty((k, n // 2)), scales.new_empty((k, n // 16))
 
 
-@_custom_op("fp4::decode_blocks")
+@_kernel_op("fp4::decode_blocks")
 def decode_blocks(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """value(code) * block scale in bfloat16 (exact) of NVFP4 codes [M, K/2] with E4M3 scales [M, K/16]:
     the operand an emulated GEMM (``fp4.emulated_mm``) reads, for operands quantized elsewhere (a weight

@@ -101,10 +101,7 @@ class Report:
         by_graph = {}
         for ctx in self.contexts:
             by_graph[ctx.graph_id] = ctx
-        latest = [by_graph[k] for k in sorted(by_graph)]
-        for ctx in latest:
-            ctx.restore()  # a compilation served from the cache: its passes' graphs, rebuilt once
-        return latest
+        return [by_graph[k] for k in sorted(by_graph)]
 
     @property
     def sites(self) -> list[SiteView]:
@@ -162,6 +159,17 @@ class Report:
                     out[key] = out.get(key, 0) + 1
         return out
 
+    def quantizer_kernels(self) -> dict:
+        """(op, implementation, reason) -> number of nodes: how each quantize, amax, transpose and decode
+        node of the compiled graphs runs ("in-graph Triton": its kernels are in Inductor's code; "op": the
+        op runs as one call, the reason says why; ``lower_kernels``)."""
+        out: dict = {}
+        for ctx in self.latest:
+            for _stage, _node, op, implementation, reason in ctx.kernels:
+                key = (op, implementation, reason)
+                out[key] = out.get(key, 0) + 1
+        return out
+
     def precision_table(self) -> str:
         """One row per GEMM site, then fallbacks, kernels and the FP4 / high-precision totals (last line)."""
         rows = [("site", "block", "M x N x K (fprop)", *ROLES, "kernel", "reason")]
@@ -175,6 +183,10 @@ class Report:
         lines += [f"fallback: {f}" for f in self.fallbacks]
         lines += [f"warning: {w}" for w in self.warnings]
         lines += [f"kernel {name} ({n} GEMMs): {reason}" for (name, reason), n in sorted(self.kernels().items())]
+        lines += [
+            f"{op} ({n} nodes): {implementation}" + (f": {reason}" if reason else "")
+            for (op, implementation, reason), n in sorted(self.quantizer_kernels().items())
+        ]
         others = [o for ctx in self.latest for o in ctx.other_gemms]
         if others:
             lines.append(f"{len(others)} other matrix products (attention, scans, batched weights) run in high precision")

@@ -240,43 +240,19 @@ class CompileContext:
         from fp4compile import distributed
 
         self.sharded_amax = distributed.snapshot()
-        self.from_cache = False  # forward and backward served from AOTAutograd's cache (``served_from_cache``)
-        self._rebuild = None
-        self._quiet = False
         self.grad_buffers: list[str] = []  # outputs given a buffer for an unused gradient (grad_buffers)
+        self.inner: Optional[str] = None  # the compiler the graphs go to: "inductor" or "eager"
+        # (stage, node, op, implementation, why not the in-graph kernels) of every kernel op (lower_kernels)
+        self.kernels: list[tuple[str, str, str, str, str]] = []
 
     def note(self, message: str) -> None:
-        if not self._quiet:
-            log.info("fp4compile: %s", message)
+        log.info("fp4compile: %s", message)
 
     def fallback(self, site: GemmSite, role: str, reason: str) -> None:
         """A GEMM kept in high precision for a reason other than the policy: logged and reported."""
         message = f"{site.name} {role}: kept in high precision: {reason}"
         self.fallbacks.append(message)
-        if not self._quiet:
-            log.warning("fp4compile: %s", message)
-
-    def served_from_cache(self, rebuild) -> None:
-        """The compiled forward and backward came from a compile cache, so the aot-level passes did not
-        run; ``rebuild()`` runs them on a fresh trace of the graph, for the report (``restore``)."""
-        self.from_cache = True
-        self._rebuild = rebuild
-
-    def restore(self, quiet: bool = True) -> None:
-        """Run the pending rebuild (once): the forward and backward graphs, GEMM roles and fallbacks the
-        passes record, for a compilation served from the cache. ``quiet``: without logging again what
-        was logged at the cache hit."""
-        rebuild, self._rebuild = self._rebuild, None
-        if rebuild is None:
-            return
-        self._quiet = quiet
-        try:
-            rebuild()
-        except Exception as exc:  # the compiled graphs run regardless; only the report lacks them
-            log.warning("fp4compile: graph %d: could not rebuild the forward and backward graphs for the "
-                        "report: %s: %s", self.graph_id, type(exc).__name__, exc)
-        finally:
-            self._quiet = False
+        log.warning("fp4compile: %s", message)
 
     def record(self, stage: str, pass_name: str, gm: torch.fx.GraphModule) -> None:
         """Keep the graph's code after a pass (for reports and diffs)."""

@@ -7,10 +7,6 @@ import torch
 # and torch.compile imports it early, so it is set here, before any test module loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# fp4compile's graphs stay out of AOTAutograd's on-disk cache here: tests replace fp4compile's internals
-# (a pass's applicability, kernel availability), which no cache key sees, and compile the same models
-# again. tests/test_aot_cache.py turns it on, in cache directories of its own.
-os.environ["FP4COMPILE_AOT_CACHE"] = "0"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -18,22 +18,19 @@ def test_unset_or_empty_variables_give_the_defaults():
 def test_each_variable_sets_its_field():
     env = {
         "FP4COMPILE_CHECK_FINITE": "1", "FP4COMPILE_PRINT_IR_AFTER": "insert_rht,lower_scaled_mm",
-        "FP4COMPILE_EMULATED_GEMM": "Torch", "FP4COMPILE_PRECOMPILE": "0", "FP4COMPILE_PRECOMPILE_THREADS": " 3",
-        "FP4COMPILE_COMPILE_GC_THRESHOLD": "0", "FP4COMPILE_AOT_CACHE": "off", "FP4COMPILE_CACHE_DIR": "~/kernels",
-        "FP4COMPILE_NVCC": "/opt/cuda/bin/nvcc",
+        "FP4COMPILE_EMULATED_GEMM": "Torch", "FP4COMPILE_CACHE_DIR": "~/kernels", "FP4COMPILE_NVCC": "/opt/cuda/bin/nvcc",
     }
     assert set(env) == {s.variable for s in config.SETTINGS.values()}
     assert config.from_environment(env) == dict(
-        check_finite=True, print_ir_after="insert_rht,lower_scaled_mm", emulated_gemm="torch", precompile="off",
-        precompile_threads=3, compile_gc_threshold=0, aot_cache=False, cache_dir="~/kernels", nvcc="/opt/cuda/bin/nvcc",
+        check_finite=True, print_ir_after="insert_rht,lower_scaled_mm", emulated_gemm="torch",
+        cache_dir="~/kernels", nvcc="/opt/cuda/bin/nvcc",
     )
     for off in ("0", "false", "No", "OFF"):
-        assert config.from_environment({"FP4COMPILE_AOT_CACHE": off})["aot_cache"] is False
+        assert config.from_environment({"FP4COMPILE_CHECK_FINITE": off})["check_finite"] is False
 
 
 @pytest.mark.parametrize("variable, value", [
-    ("FP4COMPILE_EMULATED_GEMM", "cublas"), ("FP4COMPILE_PRECOMPILE", "process"),
-    ("FP4COMPILE_PRECOMPILE_THREADS", "0"), ("FP4COMPILE_COMPILE_GC_THRESHOLD", "lots"),
+    ("FP4COMPILE_EMULATED_GEMM", "cublas"), ("FP4COMPILE_EMULATED_GEMM", "fast"),
 ])
 def test_an_invalid_value_names_its_variable(variable, value):
     with pytest.raises(ValueError, match=f"{variable}='{value}': expected"):
@@ -41,19 +38,19 @@ def test_an_invalid_value_names_its_variable(variable, value):
 
 
 def test_the_environment_is_read_when_fp4compile_is_imported():
-    code = "import fp4compile; print(fp4compile.config.emulated_gemm, fp4compile.config.precompile_threads)"
-    env = {"FP4COMPILE_EMULATED_GEMM": "torch", "FP4COMPILE_PRECOMPILE_THREADS": "2", "PATH": ""}
+    code = "import fp4compile; print(fp4compile.config.emulated_gemm, fp4compile.config.check_finite)"
+    env = {"FP4COMPILE_EMULATED_GEMM": "torch", "FP4COMPILE_CHECK_FINITE": "1", "PATH": ""}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.stdout.split() == ["torch", "2"], out.stderr[-2000:]
-    env["FP4COMPILE_PRECOMPILE_THREADS"] = "many"
+    assert out.stdout.split() == ["torch", "True"], out.stderr[-2000:]
+    env["FP4COMPILE_EMULATED_GEMM"] = "many"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0 and "FP4COMPILE_PRECOMPILE_THREADS='many'" in out.stderr
+    assert out.returncode != 0 and "FP4COMPILE_EMULATED_GEMM='many'" in out.stderr
 
 
 def test_patch_sets_fields_for_a_block_and_a_function():
     before = config.emulated_gemm
-    with config.patch(emulated_gemm="torch", precompile="0"):
-        assert (config.emulated_gemm, config.precompile) == ("torch", "off")  # the variable's words are taken too
+    with config.patch(emulated_gemm="torch", check_finite=True):
+        assert (config.emulated_gemm, config.check_finite) == ("torch", True)
     assert config.emulated_gemm == before
 
     @config.patch(print_ir_after="all")
@@ -65,8 +62,6 @@ def test_patch_sets_fields_for_a_block_and_a_function():
 
 @pytest.mark.parametrize("changes, message", [
     (dict(emulated_gemm="cublas"), "emulated_gemm='cublas': expected auto, cublaslt or torch"),
-    (dict(compile_gc_threshold=-1), "compile_gc_threshold=-1: expected a whole number"),
-    (dict(precompile_threads=0), "precompile_threads=0: expected a whole number of workers"),
     (dict(check_finite="yes"), "check_finite='yes': expected True or False"),
     (dict(cache_dir=3), "cache_dir=3: expected a string"),
 ])

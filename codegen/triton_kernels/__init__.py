@@ -32,11 +32,13 @@ runs at once and tracks the tensor's own amax on the side, because a non-finite 
 given one (as in ``formats.quantize``); a fix-up pass, which exits at once when the own amax is
 finite, then redoes the tensor in that rare case.
 
-Arithmetic notes: divisions use ``div_rn`` (Triton's ``/`` is approximate on NVIDIA GPUs), every
-kernel is compiled without mul+add contraction, E4M3 and E2M1 rounding are done on the fp32 bits (and
-one exact-by-construction fp32 addition), and the RHT runs the butterfly ``formats.rht`` defines
-(``z_i = x_i * s_i / 4``, then additions and subtractions at strides 8, 4, 2, 1). Where an
-element's scaled value is NaN its code is +0 (code 0): NaN has no E2M1 encoding, and the sign the CPU
+Arithmetic notes: divisions use ``div_rn`` (Triton's ``/`` is approximate on NVIDIA GPUs); the one
+product that feeds an addition where an FMA would change the bits (the RHT's sign and 1/4) is an
+explicit round-to-nearest multiply, so the bits do not depend on the compiler's contraction setting;
+E4M3 and E2M1 rounding are done on the fp32 bits (and one exact-by-construction fp32 addition); the
+RHT runs the butterfly ``formats.rht`` defines (``z_i = x_i * s_i / 4``, then additions and
+subtractions at strides 8, 4, 2, 1). Where an element's scaled value is NaN its code is +0 (code 0):
+NaN has no E2M1 encoding, and the sign the CPU
 reference gives such an element depends on its vector unit. docs/emulation.md has the details.
 
 SR seeds: an int seed is passed to the kernel as it is; a ``runtime.DeviceSeed`` (what ``fp4.quantize``
@@ -48,7 +50,7 @@ Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (sl
 
 The package is laid out by job: ``numerics`` (the device functions every kernel shares), ``rows``,
 ``rht``, ``mx`` and ``decode`` (the kernels by family), ``launch`` (launch parameters, grids, input
-checks, planned launches) and ``api`` (the functions above and the providers).
+checks, the launch) and ``api`` (the functions above and the providers).
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ from .api import (
     fake_quantize_dual, dequantize, block_decode, transpose_tiles, emulated_scaled_mm, gemm_alpha, quantize_provider,
     rht_quantize_provider, fake_quantize_provider, fake_rht_quantize_provider, fake_dual_quantize_provider,
 )
-from .launch import CONFIGS, launch_after, planning, planning_active
+from .launch import CONFIGS
 
 __all__ = [
     "available",

@@ -11,7 +11,7 @@ import torch
 
 from .launch import (
     CONFIGS, Seed, _INPUT_DTYPES, _amax_arg, _as_rows, _hw_e4m3, _launch, _launch_options, _output_buffers,
-    _require_triton, _scales_bytes, _seed_args, _tiles, planning_active,
+    _require_triton, _scales_bytes, _seed_args, _tiles,
 )
 from .numerics import _IMPORT_ERROR, triton
 
@@ -408,8 +408,6 @@ def emulated_scaled_mm(
         from .. import cublaslt_gemm
 
         if cublaslt_gemm.enabled():
-            if planning_active():  # a plan of the launches: cuBLASLt's GEMM has no Triton kernel
-                return torch.empty((a_bd.shape[0], b_bd.shape[0]), dtype=out_dtype, device=a_bd.device)
             try:
                 if out_dtype not in (torch.bfloat16, torch.float32) or not a_bd.dtype == b_bd.dtype == torch.bfloat16:
                     raise cublaslt_gemm.Unsupported(

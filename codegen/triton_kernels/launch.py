@@ -1,15 +1,13 @@
 """Launching the kernels: their launch parameters (``CONFIGS``), the grid of a tiled launch, input
-checks, SR seed arguments, output buffers, and launches planned instead of made (``planning``)."""
+checks, SR seed arguments, output buffers, and the launch itself."""
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import functools
-import threading
 from typing import Optional, Union
 
 import torch
+from torch.library import wrap_triton
 
 from fp4compile import runtime
 
@@ -49,40 +47,7 @@ def _require_triton() -> None:
 
 
 def _launch_options(cfg: dict) -> dict:
-    options = {"num_warps": cfg["num_warps"], "enable_fp_fusion": False}
-    if cfg.get("maxnreg"):  # a register cap (more programs resident per SM, spills if set too low)
-        options["maxnreg"] = cfg["maxnreg"]
-    return options
-
-
-# Launches, and plans of them. ``codegen.precompile`` runs a graph's ops with launches planned instead
-# of made, to compile their kernels while Inductor compiles the graph; the first launch after that
-# waits for those compiles rather than compiling a kernel a second time.
-_plans = threading.local()  # .sink: where this thread's launches go while it plans
-_pending: list = []  # futures of background compiles that the next launch waits for
-_pending_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def planning(sink):
-    """In this thread, each launch calls ``sink(kernel, grid, args, kwargs)`` instead of running: the
-    launchers do everything else as usual (on fake tensors, so nothing is allocated or read)."""
-    previous = getattr(_plans, "sink", None)
-    _plans.sink = sink
-    try:
-        yield
-    finally:
-        _plans.sink = previous
-
-
-def planning_active() -> bool:
-    return getattr(_plans, "sink", None) is not None
-
-
-def launch_after(futures) -> None:
-    """Make the next launch, in any thread, wait for these (background compiles) first."""
-    with _pending_lock:
-        _pending.extend(futures)
+    return {"num_warps": cfg["num_warps"]}
 
 
 def _hw_e4m3(device: torch.device) -> bool:
@@ -100,16 +65,18 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def _launch(kernel, grid, *args, **kwargs) -> None:
-    sink = getattr(_plans, "sink", None)
-    if sink is not None:
-        sink(kernel, grid, args, kwargs)
-        return
-    if _pending:
-        with _pending_lock:
-            futures = list(_pending)
-            _pending.clear()
-        concurrent.futures.wait(futures)
-    kernel[grid](*args, **kwargs)
+    """Launch ``kernel`` over ``grid``. Through ``torch.library.wrap_triton``: run eagerly it launches at
+    once; traced (the fp4 ops' decomposition for Inductor) it becomes a node of the graph, which Inductor
+    compiles, caches and launches from its generated code. The interpreter's kernels are launched as
+    they are (they are not traceable)."""
+    if _interpreted(kernel):
+        kernel[grid](*args, **kwargs)
+    else:
+        wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+def _interpreted(kernel) -> bool:
+    return triton is not None and type(kernel).__name__ == "InterpretedFunction"
 
 
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension

@@ -56,6 +56,9 @@ if triton is not None:
     _TWO_M126 = tl.constexpr(2.0**-126)
     _NEG_MAGIC_M126 = tl.constexpr(-6291456.0 * 2.0**-126)  # -(3 * 2**21) * 2**-126, exact in fp32
     # Bit i set where the RHT sign vector has -1 at i.
+    # Compiled for a GPU (not interpreted): products that feed an addition are written as explicit
+    # round-to-nearest multiplies where an FMA would change the bits.
+    _CONTRACTION_SAFE = tl.constexpr(not _interpreting())
     _RHT_NEG = tl.constexpr(sum(1 << i for i, s in enumerate(formats.DEFAULT_RHT_SIGNS) if s < 0))
 
     # ------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from .numerics import tl, triton
 
 if triton is not None:
     from .numerics import (
-        _RHT_NEG, _abs_bits, _block_scale, _e2m1, _encode_scale, _fixup_amax, _jit, _max_nan, _round_to, _sr_draws,
+        _CONTRACTION_SAFE, _RHT_NEG, _abs_bits, _block_scale, _e2m1, _encode_scale, _fixup_amax, _jit, _max_nan, _round_to, _sr_draws,
         _sr_key, _sr_word, _store_scales, _stream_key, _tile_ids,
     )
     from .rows import _quantize_blocks_tile
@@ -32,8 +32,24 @@ if triton is not None:
 
     @_jit()
     def _rht_in(xi, i: tl.constexpr):
-        """z_i = x_i * (s_i / 4): the sign vector and the 1/4 (exact: a power of two)."""
-        return xi * (0.25 - 0.5 * ((_RHT_NEG >> i) & 1))
+        """z_i = x_i * (s_i / 4) for fp32 x_i: the sign vector and the 1/4 (a power of two: exact unless
+        the product is subnormal).
+
+        Compiled for the GPU, the product is a ``mul.rn`` that no compiler may contract with the
+        butterfly's first addition into an FMA (which would skip its rounding where it is not exact), so
+        the bits do not depend on the compiler's contraction setting (Inductor compiles the kernels
+        with contraction on). The interpreter never contracts."""
+        if _CONTRACTION_SAFE:
+            if (_RHT_NEG >> i) & 1:
+                return tl.inline_asm_elementwise(
+                    "mul.rn.f32 $0, $1, 0fBE800000;", "=r,r", [xi], dtype=tl.float32, is_pure=True, pack=1
+                )
+            else:
+                return tl.inline_asm_elementwise(
+                    "mul.rn.f32 $0, $1, 0f3E800000;", "=r,r", [xi], dtype=tl.float32, is_pure=True, pack=1
+                )
+        else:
+            return xi * (0.25 - 0.5 * ((_RHT_NEG >> i) & 1))
 
     @_jit()
     def _bfly(a, b):

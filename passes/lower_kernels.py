@@ -1,0 +1,167 @@
+"""lower_kernels: fp4 ops that a Triton kernel takes become those kernels, in the graph Inductor compiles.
+
+Requires: the final forward or backward graph (after ``fuse_amax``), nodes with fake values
+(``meta["val"]``).
+Guarantees: where the graph goes to Inductor (``ctx.inner == "inductor"``) on a CUDA device with the
+Triton kernels available, every kernel op (``fp4.quantize``, ``fp4.rht_quantize``, ``fp4.fake_quantize``,
+``fp4.fake_rht_quantize``, ``fp4.fake_dual_quantize``, ``fp4.wgrad_amax``, ``fp4.transpose_quantized``,
+``fp4.decode_blocks``) whose call a kernel takes is replaced by the op's implementation traced
+functionally: its buffer allocations and its Triton kernels as ``triton_kernel_wrapper_functional``
+nodes. Inductor compiles those kernels with its own (asynchronously, into its on-disk caches), launches
+them from its generated code and records them in CUDA graphs like its own. Quantizers with stochastic
+rounding read the step's base from one ``fp4.sr_base`` node per device, at the top of the graph.
+
+An op stays one node, run by its implementation when the graph runs, where: the inner compiler is not
+Inductor; the tensor is not on a CUDA device, or Triton's kernels cannot run (``triton_kernels.available``);
+the op checks its output for non-finite values (``check`` label: a read back to the host); a size is
+symbolic. ``ctx.kernels`` records each op's choice and its reason; the report shows them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+
+import torch
+import torch.fx as fx
+
+from fp4compile.sites import CompileContext
+
+KERNEL_OPS = {
+    torch.ops.fp4.quantize.default: "fp4.quantize",
+    torch.ops.fp4.rht_quantize.default: "fp4.rht_quantize",
+    torch.ops.fp4.fake_quantize.default: "fp4.fake_quantize",
+    torch.ops.fp4.fake_rht_quantize.default: "fp4.fake_rht_quantize",
+    torch.ops.fp4.fake_dual_quantize.default: "fp4.fake_dual_quantize",
+    torch.ops.fp4.wgrad_amax.default: "fp4.wgrad_amax",
+    torch.ops.fp4.transpose_quantized.default: "fp4.transpose_quantized",
+    torch.ops.fp4.decode_blocks.default: "fp4.decode_blocks",
+}
+SR_BASE = torch.ops.fp4.sr_base.default
+_CHECK_ARGS = ("check", "check_t")
+_ROUNDING_ARGS = ("rounding", "rounding_t")
+
+
+def _bound(node: fx.Node) -> dict:
+    """The node's arguments by name (defaults filled in)."""
+    schema = node.target._schema
+    values = dict(zip((a.name for a in schema.arguments), node.args))
+    values.update(node.kwargs)
+    for a in schema.arguments:
+        if a.name not in values and a.has_default_value():
+            values[a.name] = a.default_value
+    return values
+
+
+def _value(arg):
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def _why_not(node: fx.Node, args: dict) -> str:
+    """Why the op stays a node ("" where its kernels go into the graph)."""
+    from fp4compile.codegen import triton_kernels
+
+    x = _value(next(iter(args.values())))
+    if not isinstance(x, torch.Tensor):
+        return "no fake value for its input"
+    if x.device.type != "cuda":
+        return f"its input is on {x.device.type}, not CUDA"
+    ok, why = triton_kernels.available()
+    if not ok or triton_kernels.numerics._interpreting():
+        return f"the Triton kernels cannot be compiled here ({why})"
+    if any(args.get(name) for name in _CHECK_ARGS):
+        return "it checks its output for non-finite values (a read back to the host)"
+    for value in map(_value, args.values()):
+        if isinstance(value, torch.Tensor) and not all(isinstance(d, int) for d in (*value.shape, *value.stride())):
+            return f"a symbolic size ({tuple(value.shape)})"
+        if isinstance(value, torch.SymInt):
+            return "a symbolic argument"
+    return ""
+
+
+def _trace(target, args: dict) -> tuple[fx.GraphModule, list]:
+    """The op's implementation traced functionally on the nodes' fake values: a graph whose inputs are
+    the op's tensor arguments (in ``args`` order)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fp4compile import ops
+
+    names = [k for k, v in args.items() if isinstance(_value(v), torch.Tensor)]
+    constants = {k: v for k, v in args.items() if k not in names}
+
+    def call(*tensors):
+        return target(**constants, **dict(zip(names, tensors)))
+
+    values = [_value(args[k]) for k in names]
+    fake_mode = detect_fake_mode(values)
+    with ops.tracing_kernels(), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
+        traced = make_fx(dispatch_functionalize(call), tracing_mode="real")(*values)
+    return traced, [args[k] for k in names]
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, traced: fx.GraphModule, inputs: list) -> None:
+    """Put ``traced``'s nodes before ``node`` (its inputs bound to ``inputs``) and let its outputs take
+    the place of ``node``'s."""
+    env = {}
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    for p, arg in zip(placeholders, inputs):
+        env[p] = arg
+    outputs = None
+    with gm.graph.inserting_before(node):
+        for n in traced.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                outputs = fx.map_arg(n.args[0], lambda a: env[a])
+                continue
+            env[n] = gm.graph.node_copy(n, lambda a: env[a])
+    if isinstance(outputs, (tuple, list)):
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(outputs[user.args[1]])
+                gm.graph.erase_node(user)
+        if node.users:
+            raise RuntimeError(f"lower_kernels: {node.name} is used other than by indexing its outputs")
+    else:
+        node.replace_all_uses_with(outputs)
+    gm.graph.erase_node(node)
+
+
+def _sr_base(gm: fx.GraphModule, x: torch.Tensor, bases: dict) -> fx.Node:
+    """The graph's ``fp4.sr_base`` node for the device of ``x`` (a fake value), made at the top of the
+    graph on first use."""
+    if x.device not in bases:
+        first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+        with gm.graph.inserting_before(first):
+            base = gm.graph.call_function(SR_BASE, (x.device,))
+        with x.fake_mode:
+            base.meta["val"] = torch.empty(1, dtype=torch.int64, device=x.device)
+        bases[x.device] = base
+    return bases[x.device]
+
+
+def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    inductor = getattr(ctx, "inner", None) == "inductor"
+    bases: dict = {}
+    changed = False
+    stage = "backward" if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes) else "forward"
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in KERNEL_OPS:
+            continue
+        args = _bound(node)
+        why = _why_not(node, args) if inductor else "the graph is not compiled by Inductor"
+        ctx.kernels.append((stage, node.name, KERNEL_OPS[node.target], "in-graph Triton" if not why else "op", why))
+        if why:
+            continue
+        if any(args.get(name) == "sr" for name in _ROUNDING_ARGS):
+            args["seed_base"] = _sr_base(gm, _value(next(iter(args.values()))), bases)
+        traced, inputs = _trace(node.target, args)
+        _inline(gm, node, traced, inputs)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+    return gm

@@ -1,0 +1,141 @@
+"""``lower_kernels``: the fp4 ops that Triton kernels take become those kernels in the graph Inductor
+compiles, and the report says how every quantizer runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fp4compile
+from fp4compile import Backend, runtime
+
+pytest.importorskip("triton")
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, d=64, n=3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(d, d) for _ in range(n)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x
+
+
+# A graph of every kernel op on fake CUDA tensors, lowered as for Inductor on a simulated sm_90 device (the
+# kernels are traced, not compiled: no GPU needed). Prints the call targets before and after and the
+# report's choices.
+_SIMULATED = textwrap.dedent("""
+    import os, collections, json
+    os.environ.pop("TRITON_INTERPRET", None)
+    import torch
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_device_capability = lambda *a: (9, 0)
+    torch.cuda.get_device_name = lambda *a: "simulated sm_90"
+    torch.cuda.current_device = lambda: 0
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    import fp4compile
+    from fp4compile.passes.lower_kernels import lower_kernels
+    from fp4compile.sites import CompileContext
+
+    def f(x, w, dy):
+        xa, _ = torch.ops.fp4.wgrad_amax(x, 16)
+        xb, xamax = torch.ops.fp4.fake_quantize(x, "nvfp4", "1x16", "rne", 11, "", xa)
+        wd, ws, wa = torch.ops.fp4.quantize(w, "nvfp4", "16x16", "rne", 12, "")
+        wb = torch.ops.fp4.decode_blocks(wd, ws)
+        wtd, wts = torch.ops.fp4.transpose_quantized(wd, ws)
+        g, gt = torch.ops.fp4.fake_dual_quantize(
+            dy, 16, "nvfp4", "sr", 13, "", "sr", 14, "", *torch.ops.fp4.wgrad_amax(dy, 16))
+        r, ramax = torch.ops.fp4.fake_rht_quantize(x.t(), 16, "nvfp4", "1x16", "sr", 15, "")
+        c = torch.ops.fp4.fake_quantize(x, "nvfp4", "1x16", "rne", 16, "layer fprop a")[0]
+        return xb, wb, wtd, wts, g, gt, r, xamax, wa, ramax, c
+
+    with FakeTensorMode():
+        x = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(32, 128, device="cuda", dtype=torch.float32)
+        dy = torch.empty(64, 32, device="cuda", dtype=torch.bfloat16)
+        gm = make_fx(f)(x, w, dy)
+    before = collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    ctx = CompileContext(fp4compile.Recipe(), 0)
+    ctx.inner = "inductor"
+    gm = lower_kernels(gm, ctx)
+    after = collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    print(json.dumps({"before": before, "after": after, "choices": ctx.kernels}))
+""")
+
+
+def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():
+    out = subprocess.run([sys.executable, "-c", _SIMULATED], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    before, after = result["before"], result["after"]
+    assert before["fp4.fake_quantize.default"] == 2 and before["fp4.wgrad_amax.default"] == 2
+    # Every kernel op is gone but the one that checks its output (a read back to the host).
+    assert after.get("fp4.fake_quantize.default") == 1
+    for op in ("quantize", "rht_quantize", "fake_rht_quantize", "fake_dual_quantize", "wgrad_amax",
+               "transpose_quantized", "decode_blocks"):
+        assert f"fp4.{op}.default" not in after, op
+    # The kernels: wgrad_amax x2 (one each), fake_quantize (one pass: amax given), quantize 16x16 (amax +
+    # quantize), decode, transpose, dual (one), fake_rht_quantize (amax + quantize).
+    assert after["triton_kernel_wrapper_functional"] == 2 + 1 + 2 + 1 + 1 + 1 + 2
+    assert after["fp4.sr_base.default"] == 1  # one base for the graph's SR quantizers
+    choices = {(c[2], c[3], c[4]) for c in result["choices"]}
+    assert ("fp4.fake_quantize", "op", "it checks its output for non-finite values (a read back to the host)") in choices
+    assert sum(c[3] == "in-graph Triton" for c in result["choices"]) == 8
+
+
+def test_the_report_says_how_each_quantizer_runs_on_the_cpu(fresh_dynamo):
+    torch.manual_seed(0)
+    backend = Backend()
+    model = torch.compile(Stack(), backend=backend)
+    model(torch.randn(32, 64)).sum().backward()
+    choices = backend.report.quantizer_kernels()
+    assert choices and all(impl == "op" for _, impl, _ in choices)
+    assert {reason for _, _, reason in choices} == {"its input is on cpu, not CUDA"}
+    ops = {op for op, _, _ in choices}
+    assert {"fp4.quantize", "fp4.rht_quantize"} <= ops  # the operands, and the RHT operands of wgrad
+    assert "(its input is on cpu, not CUDA)" not in backend.report.precision_table()
+    assert "nodes): op: its input is on cpu, not CUDA" in backend.report.precision_table()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_gpu_in_graph_kernels_give_the_bits_of_the_ops(fresh_dynamo, mode):
+    """Inductor with the kernels in its code against the same graphs run op by op (inner="eager"): the
+    same logits and gradients, bit for bit, over three steps (fresh SR bits each)."""
+    results = {}
+    for inner in ("eager", "inductor"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        runtime.manual_seed(7)
+        model = Stack(256).cuda()
+        backend = Backend(inner=inner, mode=mode if inner == "inductor" else None)
+        compiled = torch.compile(model, backend=backend)
+        outs = []
+        for step in range(3):
+            x = torch.randn(512, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+            y = compiled(x)
+            y.square().sum().backward()
+            outs.append((y.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+            model.zero_grad(set_to_none=True)
+        results[inner] = outs
+        if inner == "inductor":
+            choices = backend.report.quantizer_kernels()
+            assert choices and all(impl == "in-graph Triton" for _, impl, _ in choices), choices
+            final = [g for ctx in backend.report.latest for g in ctx.final_graphs.values()]
+            targets = {str(n.target) for g in final for n in g.nodes if n.op == "call_function"}
+            assert "triton_kernel_wrapper_functional" in targets
+            assert not any(t.startswith("fp4.") and "quantize" in t for t in targets), targets
+    for (y_e, g_e), (y_i, g_i) in zip(results["eager"], results["inductor"]):
+        assert torch.equal(y_e, y_i)
+        for a, b in zip(g_e, g_i):
+            assert torch.equal(a, b)
