@@ -11,18 +11,18 @@ nothing else, compiled beforehand by the same model under ``Backend(inner="eager
 Inductor kernel): the difference to the cold run is what compiling fp4compile's kernels costs the
 first call.
 
-``--env SETTING ...`` runs each nvfp4 variant once per setting, ``NAME=VALUE[,NAME=VALUE...]`` added to
+As in ``bench_e2e.py``, every variant gets fp4compile's generic compile settings (the BF16 one through
+``fp4compile.Baseline``; ``--generic off``: none does). ``--env SETTING ...`` runs each nvfp4 variant once per setting, ``NAME=VALUE[,NAME=VALUE...]`` added to
 its environment (``-``: nothing added), for an A/B of fp4compile's switches on one machine in one run
-(``FP4COMPILE_PRECOMPILE``: where its kernels compile; ``FP4COMPILE_COMPILE_GC_THRESHOLD``: the garbage
-collector while compiling). ``--repeat N`` runs the whole sequence N times, interleaved, and prints each
+(e.g. ``FP4COMPILE_EMULATED_GEMM``: the GEMM of the emulation). ``--repeat N`` runs the whole sequence N times, interleaved, and prints each
 row's median. Each row also gives the time the first step spent in garbage collection, the training
 process's own CPU time for it (user + system; not its compile workers') and its peak resident memory. ``--warm`` starts
 each variant a second time on the Inductor and Triton caches its cold start filled, as a restarted
 training job would.
 
     python benchmarks/first_call.py --variants bf16 nvfp4-cg --d-model 1024 --prewarm --out first_call.json
-    python benchmarks/first_call.py --variants bf16 nvfp4-cg --env FP4COMPILE_PRECOMPILE=threads \
-        FP4COMPILE_PRECOMPILE=processes --repeat 2
+    python benchmarks/first_call.py --variants bf16 nvfp4-cg --env FP4COMPILE_EMULATED_GEMM=cublaslt \
+        FP4COMPILE_EMULATED_GEMM=torch --repeat 2
 """
 
 from __future__ import annotations
@@ -77,13 +77,17 @@ class GCTimer:
             self._start = None
 
 
-def first_step(variant: str, d_model: int, n_layer: int, batch: int, device: str = "cuda") -> dict:
+def first_step(variant: str, d_model: int, n_layer: int, batch: int, device: str = "cuda", generic: bool = True) -> dict:
     """Phases of the first training step of ``variant`` in this process ("prewarm": nvfp4 compiled with
-    ``inner="eager"``, which builds only fp4compile's kernels)."""
+    ``inner="eager"``, which builds only fp4compile's kernels); ``generic``: as ``bench_e2e.compile_arm``."""
+    return _first_step(variant, d_model, n_layer, batch, device, generic)
+
+
+def _first_step(variant: str, d_model: int, n_layer: int, batch: int, device: str, generic: bool) -> dict:
     if variant == "prewarm":
-        s = bench_e2e.training_setup("nvfp4", d_model, n_layer, batch, inner="eager", device=device)
+        s = bench_e2e.training_setup("nvfp4", d_model, n_layer, batch, inner="eager", device=device, generic=generic)
     else:
-        s = bench_e2e.training_setup(variant, d_model, n_layer, batch, device=device)
+        s = bench_e2e.training_setup(variant, d_model, n_layer, batch, device=device, generic=generic)
     compiled, opt, x, graphs = s["compiled"], s["opt"], s["x"], s["graphs"]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
@@ -113,6 +117,7 @@ def first_step(variant: str, d_model: int, n_layer: int, batch: int, device: str
         "backward_s": t2 - t1, "optimizer_s": t3 - t2, "gc_s": collector.seconds, "gc_passes": collector.passes,
         "process_cpu_s": usage.ru_utime + usage.ru_stime - cpu0, "peak_rss_mib": usage.ru_maxrss / 1024,
         "compile_metrics_s": {k: round(sum(metrics.get(k, [])), 3) for k in METRICS},
+        "generic": bench_e2e.generic_record(s["backend"]),
     }
 
 
@@ -133,7 +138,8 @@ def run(variant: str, args, triton_cache: str | None = None, setting: str | None
         inductor_cache: str | None = None) -> dict:
     env = parse_setting(setting) if setting else None
     row = bench_e2e.cold_start(__file__, ["--variant", variant, "--d-model", str(args.d_model), "--n-layer",
-                                          str(args.n_layer), "--batch", str(args.batch), "--device", args.device],
+                                          str(args.n_layer), "--batch", str(args.batch), "--device", args.device,
+                                          "--generic", args.generic],
                                triton_cache, env, inductor_cache)
     row = dict(row, variant=variant) if "error" in row else row
     if setting:
@@ -206,10 +212,13 @@ def main():
     p.add_argument("--warm", action="store_true",
                    help="also start each variant again on the Inductor and Triton caches its cold start filled")
     p.add_argument("--repeat", type=int, default=1, help="run the whole sequence N times (medians printed)")
+    p.add_argument("--generic", choices=("on", "off"), default="on",
+                   help="as bench_e2e.py: on, every variant gets fp4compile's generic compile settings; off, none does")
     p.add_argument("--out", default="first_call.json")
     args = p.parse_args()
     if args.variant:
-        print(json.dumps(first_step(args.variant, args.d_model, args.n_layer, args.batch, args.device)))
+        print(json.dumps(first_step(args.variant, args.d_model, args.n_layer, args.batch, args.device,
+                                    args.generic == "on")))
         return
     if args.repeat < 1:
         p.error("--repeat must be 1 or more")
@@ -230,10 +239,11 @@ def main():
     table = medians(rows)
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {os.cpu_count()} cores"
     result = {"device": device, "torch": torch.__version__, "d_model": args.d_model, "n_layer": args.n_layer,
-              "batch": args.batch, "repeat": args.repeat, "rows": rows, "medians": table}
+              "batch": args.batch, "repeat": args.repeat, "generic": args.generic, "rows": rows, "medians": table}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{result['device']}, torch {result['torch']}, d_model {args.d_model}"
-          + (f", median of {args.repeat} starts" if args.repeat > 1 else ""))
+          + (f", median of {args.repeat} starts" if args.repeat > 1 else "")
+          + f", generic compile settings {args.generic} for every variant")
     print(f"{'variant':52} {'first s':>8} {'forward':>8} {'backward':>8} {'fw compile':>10} {'bw compile':>10} "
           f"{'lowering':>9} {'partition':>9} {'gc':>6} {'cpu s':>7} {'rss MiB':>8}")
     for r in table:

@@ -5,6 +5,8 @@ its wall time (a step whose GPU is idle much of the time is bound by the launchi
 number of kernel launches per step.
 
     python benchmarks/profile_step.py --variant nvfp4 --d-model 1024 --trace trace.json
+
+The variant gets fp4compile's generic compile settings as in ``bench_e2e.py`` (``--generic off``: it does not).
 """
 
 from __future__ import annotations
@@ -50,11 +52,19 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rows", type=int, default=30)
     p.add_argument("--trace", help="write a Chrome trace here")
+    p.add_argument("--generic", choices=("on", "off"), default="on",
+                   help="as bench_e2e.py: on, the variant gets fp4compile's generic compile settings (BF16 through "
+                        "fp4compile.Baseline); off, it does not")
     args = p.parse_args()
 
     if args.variant == "naive":
         p.error("the naive variant is measured by bench_e2e.py only")
-    step, _, _ = training_step(args.variant, args.d_model, args.n_layer, args.batch)
+    generic = args.generic == "on"
+    profile_variant(args, generic)
+
+
+def profile_variant(args, generic: bool) -> None:
+    step, _, _ = training_step(args.variant, args.d_model, args.n_layer, args.batch, generic)
     for _ in range(3):
         step()
     torch.cuda.synchronize()

@@ -6,6 +6,7 @@
 
 from . import config, formats, ops, runtime
 from .backend import Backend, PlanWarning, get_backend, nvfp4_backend
+from .baseline import Baseline
 from .explain import explain
 from .export import calibrate, export, served
 from .passes.pipeline import precision_pass, print_pipeline
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "Baseline",
     "PlanWarning",
     "GemmSite",
     "Recipe",

@@ -323,25 +323,12 @@ class Backend:
     def _records_graphs(self, inductor_config: dict) -> bool:
         """Whether Inductor records this compilation in CUDA graphs (this backend's mode, or else
         Inductor's global setting)."""
-        if self.inner != "inductor":
-            return False
-        graphs = inductor_config.get("triton.cudagraphs")
-        if graphs is None:
-            from torch._inductor import config as inductor_global
-
-            graphs = inductor_global.triton.cudagraphs
-        return bool(graphs)
+        return self.inner == "inductor" and grad_buffers.records_cuda_graphs(inductor_config)
 
     def _grad_buffer_plan(self, gm: fx.GraphModule, inductor_config: dict, graph_id: int):
         """Adds the unused-gradient buffers to ``gm`` where they apply; their plan, or None."""
-        wanted = self.unused_grad_buffers
-        if wanted is None:
-            wanted = self._records_graphs(inductor_config)
-        if not wanted or not torch.is_grad_enabled():
-            return None
-        buffer_plan = grad_buffers.plan(gm)
+        buffer_plan = grad_buffers.prepare(gm, self.unused_grad_buffers, self._records_graphs(inductor_config))
         if buffer_plan is not None:
-            grad_buffers.add_buffers(gm, buffer_plan)
             log.info(
                 "fp4compile: graph %d: outputs read by the graph's own loss get a buffer for an unused gradient: %s",
                 graph_id, ", ".join(buffer_plan.names),

@@ -132,7 +132,7 @@ def _e2m1_index_sr(mag: torch.Tensor, rand_bits: torch.Tensor) -> torch.Tensor:
 def _device_constant(build):
     """A cache for a function that builds a constant tensor on a device. A missing entry is built
     outside any fake-tensor mode: the cache must hold a real tensor even when first asked for by code
-    running on fake tensors (``codegen.precompile`` runs the ops' implementations on them)."""
+    running on fake tensors (the ops' implementations run on them when ``lower_kernels`` traces them)."""
     cache: dict = {}
 
     @functools.wraps(build)

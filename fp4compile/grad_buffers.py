@@ -97,6 +97,31 @@ def plan(gm: fx.GraphModule) -> Optional[BufferPlan]:
     return BufferPlan(len(outs), tuple(chosen), tuple(outs[i].name for i in chosen))
 
 
+def records_cuda_graphs(inductor_config: dict) -> bool:
+    """Whether Inductor records a compilation under the config patches ``inductor_config`` in CUDA
+    graphs (their ``triton.cudagraphs``, else Inductor's global setting)."""
+    graphs = inductor_config.get("triton.cudagraphs")
+    if graphs is None:
+        from torch._inductor import config as inductor_global
+
+        graphs = inductor_global.triton.cudagraphs
+    return bool(graphs)
+
+
+def prepare(gm: fx.GraphModule, wanted: Optional[bool], records_graphs: bool) -> Optional[BufferPlan]:
+    """Give ``gm`` (a dynamo graph) its buffers where they apply and return their plan, or None.
+    ``wanted``: True or False, or None for "where the graph is recorded in CUDA graphs"
+    (``records_graphs``). Nothing applies where gradients are disabled."""
+    if wanted is None:
+        wanted = records_graphs
+    if not wanted or not torch.is_grad_enabled():
+        return None
+    buffer_plan = plan(gm)
+    if buffer_plan is not None:
+        add_buffers(gm, buffer_plan)
+    return buffer_plan
+
+
 def add_buffers(gm: fx.GraphModule, buffer_plan: BufferPlan) -> fx.GraphModule:
     """Append to ``gm``'s outputs one uninitialized buffer like each planned output (in place)."""
     outs = _output_nodes(gm)
