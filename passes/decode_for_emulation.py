@@ -127,7 +127,5 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
     for t in [n for n in gm.graph.nodes if n.target is TRANSPOSE_QUANTIZED]:
         if all(not item.users for item in t.users):  # a packed transpose no GEMM reads any more
             _erase_with_items(gm, t)
-    gm.graph.lint()
-    gm.recompile()
     ctx.note(f"graph {ctx.graph_id}: {replaced} emulated GEMMs read decoded operands")
     return gm

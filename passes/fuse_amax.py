@@ -211,8 +211,6 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for n in nvfp4:
         if "fp4_quantize" in n.meta and "amax" not in n.meta["fp4_quantize"]:
             n.meta["fp4_quantize"] = dict(n.meta["fp4_quantize"], amax="given" if _has_amax(n) else "own pass")
-    gm.graph.lint()
-    gm.recompile()
     ctx.note(
         f"graph {ctx.graph_id}: {shared} tensors share one amax read between their two quantizations, "
         f"{fused} quantizers take the amax from their operand's producer, {dual} gradients are decoded for "

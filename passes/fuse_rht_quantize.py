@@ -43,7 +43,5 @@ def fuse_rht_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
         gm.graph.erase_node(node)
         gm.graph.erase_node(rht)
         fused += 1
-    gm.graph.lint()
-    gm.recompile()
     ctx.note(f"graph {ctx.graph_id}: fused {fused} RHT + quantize pairs")
     return gm

@@ -161,7 +161,5 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         _inline(gm, node, traced, inputs)
         changed = True
     if changed:
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
+        gm.graph.eliminate_dead_code()  # the traced kernels' unused outputs
     return gm

@@ -15,6 +15,7 @@ guarantees. ``print_pipeline()`` prints this list; ``fp4compile.config.print_ir_
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch.fx as fx
@@ -98,9 +99,14 @@ def _print_after(selection, name: str) -> bool:
 
 
 def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Pass], stage: str, print_ir_after=None):
+    """Run ``passes`` on ``gm`` in order. After each: the graph is linted and snapshotted for the report
+    (``ctx.graphs``), its time added to ``ctx.pass_seconds``; after the last: on the forward and backward
+    graphs (functional) the nodes nothing uses are removed, and the module's code is generated once.
+    Passes edit ``gm.graph`` and leave recompiling to this function."""
     ctx.record(stage, "input", gm)
     for p in passes:
         name = pass_name(p)
+        start = time.perf_counter()
         out = p(gm, ctx)
         if out is not None and not isinstance(out, fx.GraphModule):
             raise TypeError(
@@ -109,9 +115,14 @@ def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Pass], 
             )
         if out is not None:
             gm = out
+        gm.graph.lint()
+        ctx.pass_seconds[(stage, name)] = ctx.pass_seconds.get((stage, name), 0.0) + time.perf_counter() - start
         ctx.record(stage, name, gm)
         if _print_after(print_ir_after, name):
             print(f"# ---- fp4compile: graph {ctx.graph_id} {stage} after {name} ----")
             print(ctx.graphs[-1].code)
+    if stage != "dynamo":  # dynamo's graphs may hold in-place operations that DCE cannot see through
+        gm.graph.eliminate_dead_code()
+    gm.recompile()
     ctx.keep_final(stage, gm)
     return gm

@@ -143,8 +143,5 @@ def plan_gemm_roles(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             for role in ("dgrad", "wgrad"):
                 if site.is_low_precision and (index, role) not in seen:
                     site.roles.pop(role, None)
-    if padded:
-        gm.graph.lint()
-        gm.recompile()
     ctx.note(f"graph {ctx.graph_id}: planned {planned} role-tagged GEMMs, padded the tokens of {padded} wgrad GEMMs")
     return gm
