@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from fp4compile import aot_cache, compile_gc, config, grad_buffers, runtime
+from fp4compile.ranges import ActivationRanges
 from fp4compile.passes import pipeline
 from fp4compile.model_structure import ModelStructure, find_root
 from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, module_path, parameter_name, regions
@@ -69,7 +70,8 @@ class Backend:
     blocks. Compiling the whole model (``torch.compile(model)``, ``model.compile()``) needs nothing here,
     and a block compiled on its own is placed in the module whose ``forward`` calls it; without either,
     a compiled module with no repeated blocks of its own gets a warning saying so.
-    The backend keeps a ``report`` of its compilations (sites, precisions, kernels, graphs).
+    The backend keeps a ``report`` of its compilations (sites, precisions, kernels, graphs), and in
+    ``ranges`` the activation amaxes its training forwards recorded (``fp4compile.ranges``).
     ``fp4compile.config.check_finite`` (``FP4COMPILE_CHECK_FINITE=1``), as it is when the backend is made,
     turns on ``Recipe.check_finite``.
     """
@@ -117,6 +119,7 @@ class Backend:
         self._checked_coverage = False
         self._called: set = set()  # graphs called with gradients enabled (``_check_coverage`` after one pass)
         self.report = Report(self.recipe)
+        self.ranges = ActivationRanges()
         self._step = 0
         self._forced_high_precision = False
         self._graph_ids = itertools.count()  # graph numbers in this backend's report: 0, 1, ...
@@ -159,13 +162,16 @@ class Backend:
         self._forced_high_precision = True
 
     def state_dict(self) -> dict:
-        """What a checkpoint needs to resume identically: the step and the SR stream."""
-        return {"step": self._step, "forced_high_precision": self._forced_high_precision, "sr": runtime.get_rng_state()}
+        """What a checkpoint needs to resume identically: the step, the SR stream and the recorded
+        activation ranges (for export)."""
+        return {"step": self._step, "forced_high_precision": self._forced_high_precision, "sr": runtime.get_rng_state(),
+                "activation_ranges": self.ranges.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self._step = int(state["step"])
         self._forced_high_precision = bool(state["forced_high_precision"])
         runtime.set_rng_state(state["sr"])
+        self.ranges.load_state_dict(state.get("activation_ranges"))
 
     def _advance_for(self, graph, quantizes: Optional[bool] = True, device=None) -> None:
         """Advance the stochastic-rounding stream once per pass over the model's compiled graphs with FP4
@@ -302,6 +308,8 @@ class Backend:
         config = self._inductor_config(graph_id) if self.inner == "inductor" else {}
         recipe = self._effective_recipe(config)
         ctx = CompileContext(recipe, graph_id, model, parameter_names)
+        if recipe.amax_history and torch.is_grad_enabled():  # training graphs record activation ranges
+            ctx.ranges = self.ranges
         if high_precision:
             user_passes = [_all_high_precision]
         else:

@@ -244,6 +244,14 @@ class CompileContext:
         self._rebuild = None
         self._quiet = False
         self.grad_buffers: list[str] = []  # outputs given a buffer for an unused gradient (grad_buffers)
+        # The backend's activation ranges (``fp4compile.ranges``) where this graph records them: compiled
+        # with gradients enabled and ``Recipe.amax_history`` > 0; else None.
+        self.ranges = None
+
+    @property
+    def stage(self) -> str:
+        """The stage whose graph the passes are rewriting: "dynamo", "forward" or "backward"."""
+        return self.graphs[-1].stage if self.graphs else "dynamo"
 
     def note(self, message: str) -> None:
         if not self._quiet:
