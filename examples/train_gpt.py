@@ -648,32 +648,30 @@ def _train(argv: Optional[Sequence[str]], cleanup: contextlib.ExitStack) -> dict
             print("served model: not evaluated or exported, every GEMM runs in high precision since step "
                   f"{record['high_precision_from_step']}", flush=True)
         else:
-            record["summary"]["served_val_loss"] = _served_eval(args, model, backend, val_set, train_stream, autocast)
+            record["summary"]["served_val_loss"] = _served_eval(args, model, backend, val_set, autocast)
     if args.out:
         _write_json(args.out, record)
     _print_summary(record, args.out)
     return record
 
 
-def _served_eval(args, model, backend, val_set, train_stream, autocast) -> dict:
+def _served_eval(args, model, backend, val_set, autocast) -> dict:
     """Validation loss of the trained model as its exported checkpoint computes (each FP4 weight quantized
     once, as ``fp4compile.export`` writes it): weights only (W4A16), and with activations quantized in
-    1x16 blocks under global scales calibrated on training batches (W4A4); writes the checkpoint with
-    ``--export``."""
+    1x16 blocks under the global scales of the activation ranges recorded over the last training steps
+    (W4A4, ``Recipe.amax_history``); writes the checkpoint with ``--export``."""
     import fp4compile
 
     model.eval()
     with torch.no_grad(), autocast():
-        calibration = [next(train_stream) for _ in range(args.eval_batches)]
-        amax = fp4compile.calibrate(model, calibration, backend=backend, forward=lambda m, b: m(*b))
         losses = {}
         for scheme in ("NVFP4A16", "NVFP4"):
-            with fp4compile.served(model, backend, scheme, amax) as served:
+            with fp4compile.served(model, backend, scheme) as served:
                 losses[scheme] = sum(served(x, y)[1].item() for x, y in val_set) / len(val_set)
     model.train()
     print(f"served model: val loss {losses['NVFP4A16']:.4f} (W4A16), {losses['NVFP4']:.4f} (W4A4)", flush=True)
     if args.export:
-        fp4compile.export(model, args.export, backend=backend, scheme="NVFP4", input_amax=amax)
+        fp4compile.export(model, args.export, backend=backend, scheme="NVFP4")
         print(f"wrote the NVFP4 checkpoint {args.export}", flush=True)
     return {"W4A16": losses["NVFP4A16"], "W4A4": losses["NVFP4"]}
 

@@ -26,14 +26,16 @@ import torch
 import torch.fx as fx
 
 from fp4compile import config, grad_buffers, runtime
+from fp4compile.ranges import ActivationRanges
 from fp4compile.passes import pipeline
 from fp4compile.model_structure import ModelStructure, find_root
-from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, module_path, parameter_name, regions
+from fp4compile.operand_dtypes import check_gemm_dtypes
+from fp4compile.passes.find_gemm_sites import module_path, parameter_name, regions
 from fp4compile.passes.assign_precision import SWITCHED
 from fp4compile.passes.find_blocks import block_paths
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.report import Report
-from fp4compile.sites import CompileContext, clone_dynamo_module, example_tensor
+from fp4compile.sites import CompileContext, clone_dynamo_module
 
 log = logging.getLogger("fp4compile")
 
@@ -69,7 +71,8 @@ class Backend:
     blocks. Compiling the whole model (``torch.compile(model)``, ``model.compile()``) needs nothing here,
     and a block compiled on its own is placed in the module whose ``forward`` calls it; without either,
     a compiled module with no repeated blocks of its own gets a warning saying so.
-    The backend keeps a ``report`` of its compilations (sites, precisions, kernels, graphs).
+    The backend keeps a ``report`` of its compilations (sites, precisions, kernels, graphs), and in
+    ``ranges`` the activation amaxes its training forwards recorded (``fp4compile.ranges``).
     ``fp4compile.config.check_finite`` (``FP4COMPILE_CHECK_FINITE=1``), as it is when the backend is made,
     turns on ``Recipe.check_finite``.
     """
@@ -117,6 +120,7 @@ class Backend:
         self._checked_coverage = False
         self._called: set = set()  # graphs called with gradients enabled (``_check_coverage`` after one pass)
         self.report = Report(self.recipe)
+        self.ranges = ActivationRanges()
         self._step = 0
         self._forced_high_precision = False
         self._graph_ids = itertools.count()  # graph numbers in this backend's report: 0, 1, ...
@@ -159,13 +163,16 @@ class Backend:
         self._forced_high_precision = True
 
     def state_dict(self) -> dict:
-        """What a checkpoint needs to resume identically: the step and the SR stream."""
-        return {"step": self._step, "forced_high_precision": self._forced_high_precision, "sr": runtime.get_rng_state()}
+        """What a checkpoint needs to resume identically: the step, the SR stream and the recorded
+        activation ranges (for export)."""
+        return {"step": self._step, "forced_high_precision": self._forced_high_precision, "sr": runtime.get_rng_state(),
+                "activation_ranges": self.ranges.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self._step = int(state["step"])
         self._forced_high_precision = bool(state["forced_high_precision"])
         runtime.set_rng_state(state["sr"])
+        self.ranges.load_state_dict(state.get("activation_ranges"))
 
     def _advance_for(self, graph, quantizes: Optional[bool] = True, device=None) -> None:
         """Advance the stochastic-rounding stream once per pass over the model's compiled graphs with FP4
@@ -300,6 +307,8 @@ class Backend:
         recipe = self._effective_recipe(config)
         ctx = CompileContext(recipe, graph_id, model, parameter_names)
         ctx.inner = self.inner
+        if recipe.amax_history and torch.is_grad_enabled():  # training graphs record activation ranges
+            ctx.ranges = self.ranges
         if high_precision:
             user_passes = [_all_high_precision]
         else:
@@ -549,57 +558,6 @@ class _ModelScope:
                     relative = module_path(path)
                     rebased[key] = (qualified + "".join(f"._modules['{p}']" for p in relative.split(".") if p), cls)
                 node.meta["nn_module_stack"] = rebased
-
-
-# ---------------------------------------------------------------------------------------------
-# Operand dtypes: what eager PyTorch rejects, the compiled model rejects too
-# ---------------------------------------------------------------------------------------------
-
-_ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
-_EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
-
-
-def check_gemm_dtypes(gm: fx.GraphModule) -> None:
-    """Raise the error eager PyTorch raises for a GEMM site whose operand dtypes it rejects.
-
-    An FP4 GEMM casts its operands, so an int input or a bf16 input to an fp32 layer outside autocast
-    would run silently. For each linear/matmul whose tensor operands do not share one dtype, the same
-    call is made on 1-element tensors of those dtypes, under the autocast state of that point of the
-    graph (the caller's, plus the ``with torch.autocast`` regions inside the graph), and its error is
-    raised with the site named.
-    """
-    regions = []  # autocast regions of the graph entered so far, innermost last
-    try:
-        for node in gm.graph.nodes:
-            if node.op != "call_function":
-                continue
-            if node.target is _ENTER_AUTOCAST:
-                device, dtype, enabled = node.args[:3]
-                regions.append(torch.autocast(device, dtype, enabled))
-                regions[-1].__enter__()
-                continue
-            if node.target is _EXIT_AUTOCAST:
-                regions.pop().__exit__(None, None, None)
-                continue
-            if node.target not in LINEAR_TARGETS and node.target not in MATMUL_TARGETS:
-                continue
-            operands = [example_tensor(a) for a in (*node.args, *node.kwargs.values())]
-            operands = [t for t in operands if t is not None]
-            if len(operands) < 2 or len({t.dtype for t in operands}) == 1:
-                continue
-            # x and W as 1x1 matrices, a bias as a 1-vector: the smallest call eager checks the same way.
-            tiny = [torch.zeros((1, 1) if i < 2 else (1,), dtype=t.dtype, device=t.device)
-                    for i, t in enumerate(operands)]
-            try:
-                node.target(*tiny)
-            except Exception as exc:
-                path = next(reversed(node.meta.get("nn_module_stack", {}).values()), (node.name,))[0]
-                where = module_path(path) or node.name
-                exc.add_note(f"fp4compile: raised for the GEMM at {where}, as eager PyTorch does")
-                raise
-    finally:
-        for region in reversed(regions):
-            region.__exit__(None, None, None)
 
 
 _backends: dict[str, Backend] = {}

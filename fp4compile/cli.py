@@ -2,7 +2,8 @@
 
     fp4compile inspect MODULE:FACTORY --input-shape 2x32 [--input-dtype long] [--show table|graphs|diff|mlir|dot|pipeline]
                        [--stage dynamo|forward|backward] [--image out.png] [--recipe-option key=value ...]
-    fp4compile export MODULE:FACTORY CHECKPOINT OUT --input-shape 2x32 [--input-dtype long] [--recipe-option key=value ...]
+    fp4compile export MODULE:FACTORY CHECKPOINT OUT --input-shape 2x32 [--input-dtype long] [--scheme NVFP4A16|NVFP4]
+                      [--recipe-option key=value ...]
     fp4compile pipeline
     fp4compile kernels build|list ...      (where the kernel tooling is installed)
 
@@ -11,7 +12,9 @@
 ``fp4compile.explain`` (one forward and one backward through the nvfp4 backend) and prints what the
 compiler did. ``export`` builds the model the same way, loads CHECKPOINT's weights into it (a state dict,
 or a dict holding one under "model"), compiles one forward and backward with the recipe to find its
-precision plan, and writes the NVFP4 (W4A16) checkpoint OUT (``fp4compile.export``, docs/export.md).
+precision plan, and writes the NVFP4 checkpoint OUT (``fp4compile.export``, docs/export.md): W4A16 by
+default; W4A4 (``--scheme NVFP4``) with the activation ranges recorded in training, which CHECKPOINT
+holds where it keeps the backend's state under "backend" (``Backend.state_dict()``).
 Errors in ``MODULE:FACTORY`` or the options exit with status 2.
 """
 
@@ -93,8 +96,8 @@ def _parser() -> argparse.ArgumentParser:
         "export", help="write a trained model's checkpoint as an NVFP4 compressed-tensors folder",
         description="Load CHECKPOINT into FACTORY() from MODULE, find its precision plan with the recipe (one "
         "forward and backward on random inputs of the given shapes) and write the NVFP4 weights, as the "
-        "training forward quantizes them, in the compressed-tensors format (W4A16: weights only; W4A4 needs "
-        "activation ranges, see fp4compile.calibrate).",
+        "training forward quantizes them, in the compressed-tensors format (W4A16: weights only; W4A4 takes "
+        "the activation ranges recorded in training from the backend state CHECKPOINT holds under 'backend').",
     )
     export.add_argument("model", metavar="MODULE:FACTORY", help="the model's factory, as for inspect")
     export.add_argument("checkpoint", type=Path, metavar="CHECKPOINT",
@@ -107,6 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--input-high", type=int, metavar="N", help="as for inspect")
     export.add_argument("--recipe-option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                         help="the Recipe fields the model was trained with, e.g. high_precision_last_blocks=2")
+    export.add_argument("--scheme", choices=("NVFP4A16", "NVFP4"), default="NVFP4A16",
+                        help="NVFP4A16 (default): FP4 weights; NVFP4: FP4 weights and activations (W4A4), with the "
+                        "activation ranges the checkpoint's backend state recorded in training")
     export.set_defaults(func=_export, device="cpu", seed=0)
 
     pipeline = commands.add_parser("pipeline", help="print the compiler's pass pipeline")
@@ -312,8 +318,8 @@ def _export(args) -> int:
     if not args.checkpoint.is_file():
         raise UsageError(f"checkpoint {str(args.checkpoint)!r} not found")
     model = load_factory(args.model)
-    state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
-    state = state.get("model", state) if isinstance(state, dict) else state
+    checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
+    state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else checkpoint
     if not isinstance(state, dict):
         raise UsageError(f"{args.checkpoint} holds a {type(state).__name__}, not a state dict")
     try:
@@ -326,12 +332,19 @@ def _export(args) -> int:
         torch.compile(model, backend=backend)(*inputs)  # the forward decides the plan
     except Exception as exc:
         raise UsageError(f"running the model on the inputs failed: {exc}") from exc
+    # The ranges of training, not of the random inputs the planning forward just recorded.
+    saved = checkpoint.get("backend") if isinstance(checkpoint, dict) and "model" in checkpoint else None
+    backend.ranges.load_state_dict(saved.get("activation_ranges") if isinstance(saved, dict) else None)
     try:
-        out = fp4compile.export(model, args.out, backend=backend, scheme="NVFP4A16")
+        out = fp4compile.export(model, args.out, backend=backend, scheme=args.scheme)
     except (ValueError, NotImplementedError) as exc:
-        raise UsageError(str(exc)) from exc
+        hint = ""
+        if args.scheme == "NVFP4" and not backend.ranges.amax():
+            hint = (f" ({args.checkpoint} holds no activation ranges: save Backend.state_dict() under 'backend' "
+                    "beside 'model', as examples/train_gpt.py does, or export with --scheme NVFP4A16)")
+        raise UsageError(str(exc) + hint) from exc
     n = len([s for s in backend.report.sites if s.precision != "high"])
-    print(f"wrote {out}: {n} FP4 GEMM sites (NVFP4A16)")
+    print(f"wrote {out}: {n} FP4 GEMM sites ({args.scheme})")
     return 0
 
 

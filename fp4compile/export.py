@@ -8,7 +8,8 @@ transformers and vLLM read. Every FP4 GEMM site of the backend's plan is written
 - ``<site>.weight_scale``: float8_e4m3fn [N, K/16], one scale per 16 elements of a row;
 - ``<site>.weight_global_scale``: float32 [1], compressed-tensors' ``448 * 6 / amax``;
 - with ``scheme="NVFP4"`` (W4A4) also ``<site>.input_global_scale``: float32 [1], ``448 * 6 / amax``
-  of the activation range from ``calibrate``;
+  of the layer's activation range: the one its training forwards recorded (``fp4compile.ranges``), or
+  the one given (``calibrate``);
 
 holding the codes and scales of the training forward's quantization of the weight as it is now (NVFP4
 16x16 tiles, round-to-nearest-even, the tensor's own amax: a tile's scale repeated on its 16 rows is
@@ -17,7 +18,8 @@ their ``nn.Linear`` modules listed under ``ignore``.
 
 ``served(model, backend, scheme)`` runs a model as the exported checkpoint computes (FP4 weights
 quantized once; activations quantized as in serving with W4A4), and ``calibrate`` measures the
-activation ranges W4A4 needs.
+activation ranges W4A4 needs where none were recorded (a model loaded from a checkpoint) or to
+override them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ import torch
 from . import formats
 from .model_structure import site_name
 
-__all__ = ["SCHEMES", "ExportSite", "calibrate", "export", "export_sites", "quantized_weight", "served", "site_tensors"]
+__all__ = [
+    "SCHEMES", "ExportSite", "activation_amax", "calibrate", "export", "export_sites", "quantized_weight", "served",
+    "site_tensors",
+]
 
 # scheme -> whether the activations are quantized too (compressed-tensors' preset names).
 SCHEMES = {"NVFP4": True, "NVFP4A16": False}
@@ -83,6 +88,28 @@ def export_sites(backend) -> list[ExportSite]:
         name = view.name.split("#", 1)[0]
         sites.setdefault(name, ExportSite(name, name + ".weight", view.kind in ("addmm", "matmul")))
     return list(sites.values())
+
+
+def activation_amax(backend, sites: list[ExportSite], input_amax: Optional[dict] = None) -> dict:
+    """{site: activation amax} for W4A4: the ranges ``backend``'s training forwards recorded
+    (``backend.ranges``), with ``input_amax`` (``calibrate``'s result) taking precedence where given.
+    A site with neither is an error naming it and both remedies."""
+    ranges = getattr(backend, "ranges", None)
+    amax = {**(ranges.amax() if ranges is not None else {}), **(input_amax or {})}
+    missing = [s.name for s in sites if s.name not in amax]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"scheme='NVFP4' quantizes each FP4 layer's input with a global scale from its range, and no range "
+            f"was recorded or given for {shown}. Either train those layers with the backend first (its training "
+            "forwards record the ranges: Recipe.amax_history > 0; a checkpoint keeps them in Backend.state_dict()), "
+            "or pass input_amax=fp4compile.calibrate(model, batches, backend=backend); scheme='NVFP4A16' writes "
+            "the weights only"
+        )
+    bad = {k: float(v) for k, v in amax.items() if not (torch.isfinite(torch.as_tensor(v)) and float(v) >= 0)}
+    if bad:
+        raise ValueError(f"activation amaxes must be finite and >= 0; got {bad}")
+    return {s.name: amax[s.name] for s in sites}
 
 
 def _weight_block(backend) -> str:
@@ -258,9 +285,10 @@ def export(
 ) -> Path:
     """Write ``model`` (trained with ``backend``) as an NVFP4 checkpoint in the compressed-tensors format.
 
-    scheme: "NVFP4" (W4A4: FP4 weights and activations; needs ``input_amax`` from ``calibrate``) or
-    "NVFP4A16" (FP4 weights, activations in ``dtype``).
-    input_amax: {site name: activation amax} (``calibrate``'s result).
+    scheme: "NVFP4" (W4A4: FP4 weights and activations) or "NVFP4A16" (FP4 weights, activations in
+    ``dtype``).
+    input_amax: for W4A4, {site name: activation amax} (``calibrate``'s result), used instead of the
+    ranges the backend recorded in training (``backend.ranges``); a site with neither is an error.
     dtype: the type of every tensor that is not an FP4 weight (high-precision layers, norms, embeddings).
     max_shard_size: bytes per safetensors file; export holds at most one file's tensors at a time.
 
@@ -279,21 +307,7 @@ def export(
     block = _weight_block(backend)
     if block not in ("16x16", "1x16"):
         raise NotImplementedError(f"export writes NVFP4 weights; the recipe quantizes weights in {block} blocks")
-    if SCHEMES[scheme]:
-        if input_amax is None:
-            raise ValueError(
-                "scheme='NVFP4' quantizes activations with a global scale from their range: pass "
-                "input_amax=fp4compile.calibrate(model, batches, backend=backend), or use scheme='NVFP4A16' "
-                "(weights only)"
-            )
-        missing = [s.name for s in sites if s.name not in input_amax]
-        if missing:
-            raise ValueError(f"input_amax has no activation amax for FP4 sites {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        bad = {k: float(v) for k, v in input_amax.items() if not (torch.isfinite(torch.as_tensor(v)) and float(v) >= 0)}
-        if bad:
-            raise ValueError(f"input_amax must be finite and >= 0; got {bad}")
-    else:
-        input_amax = None
+    input_amax = activation_amax(backend, sites, input_amax) if SCHEMES[scheme] else None
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
     out = Path(path)
@@ -347,15 +361,16 @@ def served(model: torch.nn.Module, backend, scheme: str = "NVFP4A16", input_amax
     each FP4 weight is quantized once on entry, as ``export`` writes it, and its decoded values replace
     the parameter's while the block runs (the master weights come back on exit); with ``scheme="NVFP4"``
     (W4A4) each FP4 layer's input is quantized in 1x16 blocks with the global scale ``input_amax`` gives
-    it, as a W4A4 server does. Call the plain module inside (not the one compiled for training).
+    it (default: the ranges the backend recorded in training, as ``export``), as a W4A4 server does.
+    Call the plain module inside (not the one compiled for training).
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {sorted(SCHEMES)}, got {scheme!r}")
     model = getattr(model, "_orig_mod", model)
     sites = export_sites(backend)
     _check_sites(model, sites, hf=False)
-    if SCHEMES[scheme] and input_amax is None:
-        raise ValueError("scheme='NVFP4' needs input_amax (fp4compile.calibrate(model, batches, backend=backend))")
+    if SCHEMES[scheme]:
+        input_amax = activation_amax(backend, sites, input_amax)
     block = _weight_block(backend)
     params = dict(model.named_parameters(remove_duplicate=False))
     saved, hooks = [], []
@@ -381,7 +396,8 @@ def served(model: torch.nn.Module, backend, scheme: str = "NVFP4A16", input_amax
 
 
 def calibrate(model: torch.nn.Module, batches: Iterable, backend, forward=None) -> dict[str, torch.Tensor]:
-    """{FP4 site: max |input|} over ``batches``, for ``export(scheme="NVFP4")``'s activation global scales.
+    """{FP4 site: max |input|} over ``batches``, for ``export(scheme="NVFP4")``'s activation global scales
+    where the backend recorded none in training (a model loaded from a checkpoint), or instead of them.
 
     Runs the model with its FP4 weights as served (``served(..., "NVFP4A16")``), without gradients,
     so the ranges are those the exported model's layers see. ``forward(model, batch)`` runs one batch

@@ -16,6 +16,7 @@ in buffers; ``formats.QTensor`` is rebuilt inside the implementations.
 | ``fp4.fake_quantize(x, fmt, block, rounding, seed)`` / ``fp4.fake_rht_quantize(x, size, ...)`` | block-decoded operand (bf16) and amax |
 | ``fp4.fake_dual_quantize(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t)`` | the two decoded operands of a gradient (1x16, and RHT(x.T)) in one launch |
 | ``fp4.emulated_mm(a_bd, amax_a, b_bd, amax_b, fmt, out_dtype)`` | emulated FP4 GEMM on block-decoded operands |
+| ``fp4.record_amax(history, amax)`` | shifts an activation amax history and writes ``amax`` last, in place (``fp4compile.ranges``) |
 | ``fp4.sr_base(device)`` | the step's stochastic-rounding base on the device (int64 [1]), read when the graph runs |
 
 The ops with Triton kernels (the quantizers, ``wgrad_amax``, ``transpose_quantized``, ``decode_blocks``)
@@ -108,6 +109,7 @@ def gemm(
     a: torch.Tensor, b: torch.Tensor, role: str, site: int, dtype: torch.dtype,
     b_codes: Optional[torch.Tensor] = None, b_scales: Optional[torch.Tensor] = None,
     b_amax: Optional[torch.Tensor] = None, x_amax: Optional[torch.Tensor] = None,
+    x_history: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """C = a @ b.T in ``dtype`` (the model's compute dtype) with a [M, K], b [N, K], or batched
     a [..., M, K], b [..., N, K] with the same leading dims (activation matmuls).
@@ -119,14 +121,15 @@ def gemm(
     codes and scales as the forward made them, and ``insert_quantize`` transposes them). ``x_amax``,
     where given, is the global amax of the activation operand as its NVFP4 quantizer sees it: max |X|
     for fprop's a, max |RHT(X^T)| for wgrad's b (``linear(..., share_amax=...)``); ``insert_quantize``
-    hands it to that quantizer.
-    Before the passes lower it, the op computes the high-precision product and ignores both.
+    hands it to that quantizer. ``x_history``, where given (fprop), is the site's activation amax
+    history (``fp4compile.ranges``): the forward graph records the amax of a's quantizer into it.
+    Before the passes lower it, the op computes the high-precision product and ignores all of these.
     """
     return a.to(dtype) @ b.to(dtype).transpose(-2, -1)
 
 
 @gemm.register_fake
-def _(a, b, role, site, dtype, b_codes=None, b_scales=None, b_amax=None, x_amax=None):
+def _(a, b, role, site, dtype, b_codes=None, b_scales=None, b_amax=None, x_amax=None, x_history=None):
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=dtype)
 
 
@@ -574,7 +577,7 @@ class _LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, site: int, dtype: torch.dtype, share_weight, share_amax):
+    def forward(ctx, x, weight, bias, site: int, dtype: torch.dtype, share_weight, share_amax, amax_history):
         x2 = x.reshape(-1, x.shape[-1])
         wq = [None, None, None]
         if share_weight is not None:
@@ -585,7 +588,7 @@ class _LinearFunction(torch.autograd.Function):
         if share_amax is not None:
             # One read of X for both of its amaxes: fprop's, and wgrad's after the RHT, saved for backward.
             x_amax, x_rht_amax = torch.ops.fp4.wgrad_amax(x2, share_amax)
-        y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype, *wq, x_amax)
+        y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype, *wq, x_amax, amax_history)
         ctx.save_for_backward(x2, weight, x_rht_amax, *(wq if share_weight is not None else ()))
         if bias is not None:
             y = y + bias.to(dtype)
@@ -612,12 +615,12 @@ class _LinearFunction(torch.autograd.Function):
             dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], site: int, share_weight=None,
-    share_amax: Optional[int] = None,
+    share_amax: Optional[int] = None, amax_history: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``F.linear`` whose three GEMMs carry role and site tags (see ``_LinearFunction``).
 
@@ -627,9 +630,11 @@ def linear(
     ``share_amax=size``: the forward computes X's two NVFP4 amaxes in one read (``fp4.wgrad_amax(X,
     size)``): max |X| for fprop and max |RHT(X^T)| (``size``-token chunks), which the backward keeps for
     wgrad instead of reading X again for it. ``None``: each quantizer finds its own amax.
+    ``amax_history``: the site's activation amax history (``fp4compile.ranges``), which the forward
+    graph records fprop's amax of X into.
     """
     x = _autocast_input(x)
-    return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x), share_weight, share_amax)
+    return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x), share_weight, share_amax, amax_history)
 
 
 linear.__name__ = "fp4_linear"

@@ -13,7 +13,7 @@ FORMATS = ("nvfp4", "mxfp4")
 HIGH = "high"
 _BOOL_FIELDS = ("rht", "stochastic_rounding", "weight_2d", "quantize_backward", "check_finite",
                 "high_precision_outside_blocks", "include_activation_matmuls", "decoded_operands", "share_weight")
-_INT_FIELDS = ("rht_size", "seed", "switch_to_high_precision_at")
+_INT_FIELDS = ("rht_size", "seed", "switch_to_high_precision_at", "amax_history")
 _OPTIONAL_FIELDS = ("decoded_operands", "seed", "switch_to_high_precision_at")  # None is allowed
 
 
@@ -54,6 +54,10 @@ class Recipe:
         (``fp4.transpose_quantized``), dgrad, and the backward keeps the packed weight (0.56 bytes per
         parameter) instead of quantizing W^T again. Same bits either way (NUMERICS: quantizing W and
         W^T gives the same codes, transposed); False quantizes W in each GEMM and keeps nothing.
+    amax_history: how many training forwards the activation range of each FP4 layer is kept over
+        (``fp4compile.ranges``): the fprop quantizer's amax of the layer's input is recorded on the
+        device by every forward compiled with gradients, and ``export(scheme="NVFP4")`` takes the
+        maximum over the last ``amax_history`` of them as the input's global scale. 0 records nothing.
     """
 
     fmt: str = "nvfp4"
@@ -72,6 +76,7 @@ class Recipe:
     include_activation_matmuls: bool = False
     decoded_operands: Optional[bool] = None
     share_weight: bool = True
+    amax_history: int = 16
 
     def __post_init__(self):
         # Every field is checked here, so that a wrong value (a string "false", which is truthy) fails
@@ -93,6 +98,8 @@ class Recipe:
             object.__setattr__(self, name, int(value))
         if self.switch_to_high_precision_at is not None and self.switch_to_high_precision_at < 0:
             raise ValueError(f"Recipe.switch_to_high_precision_at must be a step >= 0 or None, got {self.switch_to_high_precision_at}")
+        if self.amax_history < 0:
+            raise ValueError(f"Recipe.amax_history must be a number of steps >= 0 (0: no recording), got {self.amax_history}")
         if self.rht_size != 16:
             raise ValueError(f"Recipe.rht_size: only 16-point transforms are supported, got {self.rht_size}")
         for name in ("high_precision_first_blocks", "high_precision_last_blocks"):

@@ -245,6 +245,14 @@ class CompileContext:
         self.inner: Optional[str] = None  # the compiler the graphs go to: "inductor" or "eager"
         # (stage, node, op, implementation, why not the in-graph kernels) of every kernel op (lower_kernels)
         self.kernels: list[tuple[str, str, str, str, str]] = []
+        # The backend's activation ranges (``fp4compile.ranges``) where this graph records them: compiled
+        # with gradients enabled and ``Recipe.amax_history`` > 0; else None.
+        self.ranges = None
+
+    @property
+    def stage(self) -> str:
+        """The stage whose graph the passes are rewriting: "dynamo", "forward" or "backward"."""
+        return self.graphs[-1].stage if self.graphs else "dynamo"
 
     def note(self, message: str) -> None:
         log.info("fp4compile: %s", message)

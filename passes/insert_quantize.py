@@ -16,6 +16,8 @@ the GEMM either way. The shared quantization's source node (the quantize, or the
 ``fp4_quantize`` metadata, with ``shared="fprop+dgrad"``. A GEMM given ``x_amax`` (``linear(..., share_amax=...)``)
 hands it to the quantizer of X in fprop and of RHT(X^T) in wgrad (NVFP4 1x16, RHT planned, amax not
 sharded) as their ``amax`` argument, recorded in their metadata (``amax``); it is dropped otherwise.
+A fprop GEMM given ``x_history`` (``linear(..., amax_history=...)``) leaves it on the quantize node of X
+(metadata ``fp4_amax_history``) for ``record_ranges``, which records that quantizer's amax into it.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         site = ctx.sites[node.args[3]]
         shared = [x for x in node.args[5:8] if x is not None]
         x_amax = node.args[8] if len(node.args) > 8 else None
+        x_history = node.args[9] if len(node.args) > 9 and info.role == "fprop" else None
         new_args = list(node.args[:5])
         activation = site.kind == "activation_matmul"
         for i in (0, 1):
@@ -120,6 +123,8 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 else:
                     q, parts = call_unpacked(gm.graph, QUANTIZE_SHARDED, (*args, group), 3)
             q.meta["fp4_quantize"] = meta
+            if i == 0 and x_history is not None and info.precision == "nvfp4":
+                q.meta["fp4_amax_history"] = x_history
             new_args[i] = _dequantize(gm, node, parts, info.precision, block)
             inserted += 1
         node.args = tuple(new_args)

@@ -22,6 +22,10 @@ NVFP4 linear with FP4 backward GEMMs and the RHT, a static token count that is a
 size and an unsharded X gets ``share_amax=rht_size``: its forward computes both amaxes of X in one
 ``fp4.wgrad_amax`` read, fprop's X quantizer takes the first and the backward keeps the second for
 RHT(X^T), instead of reading X once more for it.
+Where the backend records activation ranges (``ctx.ranges``: a graph compiled with gradients enabled,
+``Recipe.amax_history`` > 0), an NVFP4 linear also gets its site's amax history (``fp4compile.ranges``)
+as ``amax_history``: a buffer of the graph module (``fp4_amax_history_<site index>``) that aot_autograd
+lifts to a graph input, passed on into a region's graph as an extra operand of the region's call.
 """
 
 from __future__ import annotations
@@ -72,16 +76,59 @@ def _share_amax(ctx: CompileContext, site, x: fx.Node) -> Optional[int]:
     return recipe.rht_size if tokens % recipe.rht_size == 0 else None
 
 
+class _Histories:
+    """The node holding a site's amax history in a graph of ``gm`` (its own, or a region's)."""
+
+    def __init__(self, gm: fx.GraphModule, ctx: CompileContext):
+        self.gm, self.ctx = gm, ctx
+        self.calls = {id(body): call for call, body in regions(gm)}  # region graph module -> its call
+        self.modules = {id(body.graph): body for _, body in regions(gm)}
+        self.nodes: dict[tuple, fx.Node] = {}
+
+    def __call__(self, module: fx.GraphModule, site, index: int, x: fx.Node) -> Optional[fx.Node]:
+        ctx = self.ctx
+        val = example_tensor(x)
+        if ctx.ranges is None or site.precision != "nvfp4" or site.kind == "activation_matmul" or val is None:
+            return None
+        return self._node(module, index, val.device)
+
+    def _node(self, module: fx.GraphModule, index: int, device) -> fx.Node:
+        key = (id(module), index)
+        if key in self.nodes:
+            return self.nodes[key]
+        graph = module.graph
+        last = list(graph.find_nodes(op="placeholder"))[-1:]
+        if module is self.gm:
+            name = f"fp4_amax_history_{index}"
+            site = self.ctx.sites[index]
+            module.register_buffer(name, self.ctx.ranges.history(site.name, device, self.ctx.recipe.amax_history))
+            if hasattr(module, "_param_name_to_source"):  # aot_autograd asks each lifted buffer's source
+                from torch._dynamo.source import ConstantSource
+
+                module._param_name_to_source = {**module._param_name_to_source, name: ConstantSource(name)}
+            with graph.inserting_after(last[0]) if last else graph.inserting_before(next(iter(graph.nodes))):
+                node = graph.get_attr(name)
+        else:
+            call = self.calls[id(module)]
+            outer = self._node(self.modules[id(call.graph)] if id(call.graph) in self.modules else self.gm, index, device)
+            with graph.inserting_after(last[0]) if last else graph.inserting_before(next(iter(graph.nodes))):
+                node = graph.placeholder(f"fp4_amax_history_{index}")
+            call.args = (*call.args, outer)
+        self.nodes[key] = node
+        return node
+
+
 def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     marked = 0
+    histories = _Histories(gm, ctx)
     for _, region in regions(gm):  # checkpointed functions: rewritten in place, recomputed as marked
-        marked += _mark(region, ctx)
-    marked += _mark(gm, ctx)
+        marked += _mark(region, ctx, histories)
+    marked += _mark(gm, ctx, histories)
     ctx.note(f"graph {ctx.graph_id}: marked {marked} linears as fp4.linear")
     return gm
 
 
-def _mark(gm: fx.GraphModule, ctx: CompileContext) -> int:
+def _mark(gm: fx.GraphModule, ctx: CompileContext, histories: _Histories) -> int:
     bs = ctx.recipe.block_size
     marked = 0
     for node in list(gm.graph.nodes):
@@ -119,9 +166,9 @@ def _mark(gm: fx.GraphModule, ctx: CompileContext) -> int:
                 else:  # matmul x @ B, or addmm(b, x, B): B is [in, out]
                     bias, x, param = node.args[:3] if site.kind == "addmm" else (None, *node.args[:2])
                     weight = gm.graph.call_function(torch.t, (param,))
-                new = gm.graph.call_function(
-                    ops.linear, (x, weight, bias, index, _share_weight(ctx, site), _share_amax(ctx, site, x))
-                )
+                args = (x, weight, bias, index, _share_weight(ctx, site), _share_amax(ctx, site, x))
+                history = histories(gm, site, index, x)
+                new = gm.graph.call_function(ops.linear, args + ((history,) if history is not None else ()))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

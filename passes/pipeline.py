@@ -6,7 +6,8 @@ aot_autograd traces from the marked graph (they see the three role-tagged GEMMs 
 
     find_gemm_sites -> find_blocks -> assign_precision -> [user passes] -> check_plan -> mark_fp4_linear
     ──aot_autograd──▶ plan_gemm_roles -> insert_rht -> insert_quantize -> lower_scaled_mm
-                      -> fuse_rht_quantize -> decode_for_emulation -> fuse_amax -> lower_kernels
+                      -> fuse_rht_quantize -> decode_for_emulation -> fuse_amax -> record_ranges
+                      -> lower_kernels
 
 Every pass is ``fn(gm, ctx) -> gm`` in its own module, with a docstring saying what it requires and
 guarantees. ``print_pipeline()`` prints this list; ``fp4compile.config.print_ir_after`` (``FP4COMPILE_PRINT_IR_AFTER``:
@@ -36,6 +37,7 @@ from .lower_kernels import lower_kernels
 from .lower_scaled_mm import lower_scaled_mm
 from .mark_fp4_linear import mark_fp4_linear
 from .plan_gemm_roles import plan_gemm_roles
+from .record_ranges import record_ranges
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 
@@ -44,7 +46,7 @@ DYNAMO_PASSES: list[Pass] = [find_gemm_sites, find_blocks, assign_precision, che
 USER_PASS_INDEX = DYNAMO_PASSES.index(assign_precision) + 1
 AOT_PASSES: list[Pass] = [
     plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize, decode_for_emulation, fuse_amax,
-    lower_kernels,
+    record_ranges, lower_kernels,
 ]
 
 

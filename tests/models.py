@@ -97,3 +97,29 @@ def lm_loss(logits, idx):
 def grads(model):
     """A copy of every parameter gradient, by name."""
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# A model file for the command line's MODULE:FACTORY (written to a temporary folder by the tests).
+MODEL_FILE = '''
+import torch.nn as nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.down(self.up(x).relu())
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+'''

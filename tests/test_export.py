@@ -15,6 +15,7 @@ import torch
 
 import fp4compile
 from fp4compile import Backend, formats, ops
+from models import MODEL_FILE
 import importlib
 
 # The module; ``fp4compile.export`` is the function it defines.
@@ -232,11 +233,13 @@ def test_export_errors_name_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match="compiled no GEMM site"):
         fp4export.export(model, tmp_path / "a", backend=backend)
     backend, _ = train(model, steps=1)
-    with pytest.raises(ValueError, match="input_amax=fp4compile.calibrate"):
-        fp4export.export(model, tmp_path / "a", backend=backend, scheme="NVFP4")
     with pytest.raises(ValueError, match="scheme must be one of"):
         fp4export.export(model, tmp_path / "a", backend=backend, scheme="W4A4")
-    with pytest.raises(ValueError, match="no activation amax for FP4 sites"):
+    with pytest.raises(ValueError, match=r"must be finite and >= 0.*model\.layers\.1\.mlp\.up_proj"):
+        fp4export.export(model, tmp_path / "a", backend=backend, scheme="NVFP4",
+                         input_amax={"model.layers.1.mlp.up_proj": float("nan")})
+    backend.ranges.load_state_dict({})  # as a backend that recorded nothing (test_ranges.py: remedies)
+    with pytest.raises(ValueError, match=r"no range was recorded or given for model\.layers\.1\.self_attn\.q_proj"):
         fp4export.export(model, tmp_path / "a", backend=backend, scheme="NVFP4", input_amax={})
 
 
@@ -246,31 +249,6 @@ def test_mxfp4_export_is_refused():
     torch.compile(model, backend=backend)(input_ids=IDX, labels=IDX, use_cache=False).loss.backward()
     with pytest.raises(NotImplementedError, match="MXFP4"):
         fp4export.export_sites(backend)
-
-
-MODEL_FILE = '''
-import torch.nn as nn
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(32, 64)
-        self.down = nn.Linear(64, 32)
-
-    def forward(self, x):
-        return x + self.down(self.up(x).relu())
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(4))
-        self.head = nn.Linear(32, 8)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-'''
 
 
 def test_cli_exports_a_saved_checkpoint(tmp_path, capsys):
