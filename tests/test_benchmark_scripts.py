@@ -191,6 +191,7 @@ def _train_once(bench_e2e, arm: str, generic: bool, state: dict):
     return buffered, record, grads(model)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("generic", [True, False], ids=["generic-on", "generic-off"])
 def test_the_bf16_arm_gets_the_generic_settings_the_nvfp4_arm_gets(bench_e2e, generic):

@@ -334,6 +334,7 @@ def test_block_paths_without_a_graph():
 # ------------------------------------------------------------------------- the hybrid example
 
 
+@pytest.mark.slow
 def test_hybrid_mamba_example_with_activation_checkpointing_keeps_its_plan():
     import sys
     from pathlib import Path
@@ -355,6 +356,7 @@ def test_hybrid_mamba_example_with_activation_checkpointing_keeps_its_plan():
     assert losses[0] == losses[1]
 
 
+@pytest.mark.slow
 def test_hybrid_mamba_example_trains_with_fp4_projections(capsys):
     import sys
     from pathlib import Path

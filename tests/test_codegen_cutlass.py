@@ -381,6 +381,7 @@ def test_cache_key_covers_config_arch_and_compiler(fake_nvcc, monkeypatch, tmp_p
     assert len(_entries(tmp_path / "cache")) == 5
 
 
+@pytest.mark.slow
 def test_concurrent_builds_in_two_processes_compile_once(fake_nvcc, monkeypatch, tmp_path):
     monkeypatch.setenv("FAKE_NVCC_SLEEP", "2")
     script = (
@@ -514,6 +515,7 @@ def real_cache(real_cache_dir):
         yield real_cache_dir
 
 
+@pytest.mark.slow
 @pytest.mark.nvcc
 def test_real_sm100a_build_uses_block_scaled_tcgen05(real_cache, monkeypatch):
     _toolchain_or_skip()
@@ -532,6 +534,7 @@ def test_real_sm100a_build_uses_block_scaled_tcgen05(real_cache, monkeypatch):
     assert cutlass_gemm.build(config, arch="sm_100a").from_cache
 
 
+@pytest.mark.slow
 @pytest.mark.nvcc
 @pytest.mark.parametrize("m, n, k", [(1, 32, 32), (130, 64, 96), (256, 300, 512), (129, 257, 80)])
 def test_scale_layout_matches_cutlass(real_cache, monkeypatch, m, n, k):
@@ -560,6 +563,7 @@ def _torch_cuda_headers_stub(tmp_path: Path) -> list[str]:
     return [f"-I{tmp_path / 'stub'}"]
 
 
+@pytest.mark.slow
 @pytest.mark.nvcc
 def test_binding_compiles_against_torch_headers(tmp_path):
     """The binding is only linked where torch has CUDA; here at least it must type-check."""

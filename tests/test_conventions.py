@@ -121,6 +121,7 @@ def test_the_string_form_rejects_what_the_instance_form_rejects():
         ("seed", "abc"),
         ("switch_to_high_precision_at", "10"),
         ("switch_to_high_precision_at", -1),
+        ("amax_history", -1),
         ("check_finite", "yes"),
         ("include_activation_matmuls", 0),
         ("decoded_operands", "auto"),
@@ -388,3 +389,12 @@ def test_readme_set_up_installs_what_ci_installs():
     assert _pip_installs(first_command) == _pip_installs((ROOT / ".ci/run").read_text())
     dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
     assert "triton==3.6.0" in dev  # the Triton kernel tests run in its interpreter on a CPU-only machine
+
+
+def test_readme_test_command_runs_the_suites_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    command = next(line.strip() for line in readme.splitlines() if line.strip().startswith("python -m pytest"))
+    ci = next(line.strip() for line in (ROOT / ".ci/run").read_text().splitlines() if "pytest" in line)
+    assert ci.replace(" -p no:cacheprovider", "") == command
+    assert command.split(" && ") == ["python -m pytest -q", "python -m pytest -q -m slow"]  # fast tier, slow tier
+    assert "-m 'not slow'" in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]

@@ -20,6 +20,8 @@ import plot_runs  # noqa: E402
 import run_study  # noqa: E402
 import train_gpt  # noqa: E402
 
+pytestmark = pytest.mark.slow  # runs a training example
+
 # Small shapes so that a training run takes seconds on a CPU; one thread, since shapes this small gain
 # nothing from more and a busy CI machine makes extra threads wait for each other.
 QUICK = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--quiet", "--threads", "1"]

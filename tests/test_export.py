@@ -21,7 +21,7 @@ import importlib
 # The module; ``fp4compile.export`` is the function it defines.
 fp4export = importlib.import_module("fp4compile.export")
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

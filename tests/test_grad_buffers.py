@@ -102,6 +102,7 @@ def _train(buffers: bool, use_logits: bool, model_state):
     return logits.detach(), loss.detach(), grads(model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_logits", [False, True], ids=["logits-unused", "logits-used"])
 def test_training_gives_the_same_bits_with_buffers(use_logits, fresh_dynamo):
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ import torch
 import fp4compile
 from fp4compile import Backend
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 
 transformers = pytest.importorskip("transformers")
 

@@ -330,6 +330,7 @@ def test_styles_on_the_gpu_with_inductor(style):
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=5e-2, atol=5e-3, msg=name)
 
 
+@pytest.mark.slow
 def test_checkpointing_under_inductor_recomputes_the_fp4_forward_to_the_same_bits():
     """The default inner compiler: Inductor's partitioner recomputes the checkpointed blocks in the
     backward, FP4 GEMMs included, and the numbers stay those of the model without checkpointing."""

@@ -109,6 +109,7 @@ def test_amax_history_zero_records_nothing_and_w4a4_export_names_the_remedies(tm
     assert (out / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["checkpoint", "selective_checkpoint", "per_block", "graph_break"])
 def test_every_model_style_records_what_module_calls_record(style):
     """Checkpointed regions (recomputed in the backward: recorded once per step), blocks compiled one by
@@ -154,6 +155,7 @@ def test_a_layer_called_twice_records_both_calls_and_exports_their_maximum():
     assert backend.ranges.amax()["blocks.1"] == max(seen["blocks.1"])
 
 
+@pytest.mark.slow
 def test_the_ranges_travel_with_the_backend_state_and_the_window_goes_on():
     torch.manual_seed(0)
     model = TinyGPT(n_layer=4)
@@ -174,6 +176,7 @@ def test_the_ranges_travel_with_the_backend_state_and_the_window_goes_on():
     assert torch.equal(recording[1:], torch.stack(seen["blocks.1.mlp.fc"][:2])) and recording[0] == -math.inf
 
 
+@pytest.mark.slow
 def test_recording_survives_inductor():
     """The default inner compiler: the record op, which declares its mutation of the history, is kept by
     aot_autograd's and Inductor's dead-code elimination and runs on every step."""
@@ -242,6 +245,7 @@ def test_recording_under_cuda_graphs_runs_on_every_replay():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_w4a4_export_writes_the_recorded_ranges_and_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -219,6 +219,7 @@ def assert_amaxes_and_1x16_as_reference(x):
     return amax, amax_t
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k_first", [False, True])
 def test_tile_order_changes_no_bits(monkeypatch, k_first):
     """Programs stepping along K first or along M first compute the same tiles: the reference's bits
@@ -237,6 +238,7 @@ def test_tile_order_changes_no_bits(monkeypatch, k_first):
         assert torch.equal(transformed.cpu().float(), formats.block_decode(ref_t).float())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("iters", [2, 3])
 def test_tiles_per_program_change_no_bits(monkeypatch, iters):
     """Programs that take several tiles along K, loading the next before they quantize the one loaded,
@@ -284,6 +286,7 @@ def test_wgrad_amax_rounds_the_largest_rht_value_as_the_reference(dtype):
             assert torch.equal(amax_x.cpu(), x.float().abs().amax())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_e2m1_ties_and_steps(dtype):
     """With amax = inf the global scale is 1 and a block holding 6 has scale 1: codes see x itself
@@ -301,6 +304,7 @@ def test_e2m1_ties_and_steps(dtype):
         assert_same_quantization(*out, formats.quantize(x, rounding=rounding, seed=21, amax=amax))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decoded", [False, True], ids=["codes", "decoded"])
 def test_e2m1_sr_at_each_elements_draw(decoded):
     """SR decides hi when u = bits * 2**-16 < frac: every element is put exactly on its own draw (frac ==
@@ -384,6 +388,7 @@ def test_every_scale_converting_launch_says_whether_the_gpu_converts_e4m3(monkey
     assert len(seen) >= 11 and all(kwargs.get("E4M3") is tk.launch._hw_e4m3(x.device) for kwargs in seen)
 
 
+@pytest.mark.slow
 def test_e4m3_scale_rounding():
     x, amax = e4m3_sweep()
     out = tk.quantize_1x16(x.to(DEVICE), amax=amax.to(DEVICE))
@@ -1093,6 +1098,7 @@ def test_gpu_decoded_ops_equal_decoded_packed_ops(rounding, sr_state):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_with_whole_blocks_per_thread():
     # The interpreter does not compile anything; this builds the default-configuration kernels for
     # sm_90 (benchmarks/kernel_sass.py, in a fresh process without TRITON_INTERPRET) and bounds their
@@ -1130,6 +1136,7 @@ def test_kernels_compile_for_hopper_with_whole_blocks_per_thread():
         assert per_element[name] <= bound, (name, per_element[name], out.stdout)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_the_a100():
     """GPUs before sm_89 have no fp32 -> E4M3 conversion and Triton refuses to emit one for them: every
     kernel specialization that converts block scales (and the others kernel_sass.py builds) must still

@@ -9,6 +9,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.slow  # two fresh processes, each compiling
+
 _RUN = textwrap.dedent("""
     import json, torch
     from torch._dynamo.utils import counters
