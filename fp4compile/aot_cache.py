@@ -19,8 +19,10 @@ passes record, are rebuilt when the report is first read (``CompileContext.resto
 ``fp4compile.config.aot_cache = False`` (``FP4COMPILE_AOT_CACHE=0``) keeps fp4compile's graphs out of the
 cache (each start traces and rewrites them again; Inductor's FX graph cache still serves the compiled
 kernels). Graphs are also kept out while ``print_ir_after`` or ``config.print_ir_after`` names a
-forward/backward pass: a hit would print nothing; and on GPUs that run CUTLASS kernels (Blackwell),
-where whether a GEMM gets one depends on its build succeeding on that machine.
+forward/backward pass: a hit would print nothing. On GPUs that run CUTLASS kernels (Blackwell) the
+graphs are cached like any other: which configuration a GEMM names depends on the device's
+architecture (in the key), its shape and the recipe only, never on whether a build finished (kernels
+are built on first use or ahead of time, ``codegen.cutlass_runtime``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ OTHER_ENV = ("TRITON_INTERPRET", "CUDA_HOME", "CUDA_PATH")
 
 
 def enabled(print_ir_after=None, example_inputs=()) -> tuple[bool, str]:
-    """(whether fp4compile's graphs, compiled for ``example_inputs``, go into AOTAutograd's cache, why not)."""
+    """(whether fp4compile's graphs, compiled for ``example_inputs``, go into AOTAutograd's cache, why not).
+    ``example_inputs`` does not change the answer; it is taken for callers that pass it."""
     from fp4compile import config
     from fp4compile.passes import pipeline
 
@@ -59,15 +62,6 @@ def enabled(print_ir_after=None, example_inputs=()) -> tuple[bool, str]:
         return False, "fp4compile.config.aot_cache is off (FP4COMPILE_AOT_CACHE=0)"
     if any(pipeline._print_after(print_ir_after, pipeline.pass_name(p)) for p in pipeline.AOT_PASSES):
         return False, "the passes print their graphs while compiling"
-    for device in {t.device for t in example_inputs if isinstance(t, torch.Tensor) and t.is_cuda}:
-        try:
-            from fp4compile.codegen import cutlass_gemm
-        except ImportError:  # no CUTLASS code generation here: every GEMM is emulated
-            break
-        if cutlass_gemm.device_supports_cutlass(device)[0]:
-            # Which GEMMs get a CUTLASS kernel depends on whether its build succeeds on this machine,
-            # which no key can tell beforehand.
-            return False, f"{device} runs CUTLASS kernels, chosen by building them"
     return True, ""
 
 

@@ -12,7 +12,8 @@ BlockCount = Union[int, float, None]
 FORMATS = ("nvfp4", "mxfp4")
 HIGH = "high"
 _BOOL_FIELDS = ("rht", "stochastic_rounding", "weight_2d", "quantize_backward", "check_finite",
-                "high_precision_outside_blocks", "include_activation_matmuls", "decoded_operands", "share_weight")
+                "high_precision_outside_blocks", "include_activation_matmuls", "decoded_operands", "share_weight",
+                "allow_emulation")
 _INT_FIELDS = ("rht_size", "seed", "switch_to_high_precision_at")
 _OPTIONAL_FIELDS = ("decoded_operands", "seed", "switch_to_high_precision_at")  # None is allowed
 
@@ -54,6 +55,10 @@ class Recipe:
         (``fp4.transpose_quantized``), dgrad, and the backward keeps the packed weight (0.56 bytes per
         parameter) instead of quantizing W^T again. Same bits either way (NUMERICS: quantizing W and
         W^T gives the same codes, transposed); False quantizes W in each GEMM and keeps nothing.
+    allow_emulation: on a Blackwell GPU (compute capability 10.x), let FP4 GEMMs that cannot run on a
+        CUTLASS kernel (a shape or format the kernels do not take, a failed build, load or first-use
+        self-test) run in emulation, with one ``PlanWarning`` per reason. False (the default): such a
+        GEMM is an error naming the reason. No effect on other devices, where emulation is the kernel.
     """
 
     fmt: str = "nvfp4"
@@ -72,6 +77,7 @@ class Recipe:
     include_activation_matmuls: bool = False
     decoded_operands: Optional[bool] = None
     share_weight: bool = True
+    allow_emulation: bool = False
 
     def __post_init__(self):
         # Every field is checked here, so that a wrong value (a string "false", which is truthy) fails

@@ -144,7 +144,8 @@ def test_kernel_alpha_matches_the_emulated_gemm():
         ((32768, 4096, 4096), "bf16", ("2sm", 256)),
         ((1, 32, 32), "bf16", ("1sm", 64)),
         ((100, 100, 64), "bf16", None),  # N % 32
-        ((128, 128, 48), "bf16", None),  # K % 32
+        ((128, 128, 48), ("bf16"), ("1sm", 64)),  # K % 32 == 16: padded at run time
+        ((128, 128, 40), "bf16", None),  # K % 16
         ((0, 128, 128), "bf16", None),
         ((128, 128, 128), "fp16", None),
     ],
@@ -161,7 +162,8 @@ def test_select_config_table(shape, out_dtype, expected):
 
 
 def test_select_config_reasons_name_the_rule():
-    assert "K=48 is not a multiple of 32" in cutlass_gemm.select_config(128, 128, 48)[1]
+    assert "K=40 is not a multiple of 16" in cutlass_gemm.select_config(128, 128, 40)[1]
+    assert "K=48 zero-padded to a multiple of 32" in cutlass_gemm.select_config(128, 128, 48)[1]
     assert "N=100 is not a multiple of 32" in cutlass_gemm.select_config(128, 100, 64)[1]
     assert "bf16 or fp32" in cutlass_gemm.select_config(128, 128, 64, torch.float16)[1]
 
@@ -227,7 +229,8 @@ def test_quantized_operands_are_k_major_with_the_expected_scale_size(m, n, k):
     # The binding checks exactly these sizes (same formula in C++).
     binding = cutlass_gemm.render_binding(GemmConfig())
     assert "round_up(data.size(0), 128) * round_up(k_bytes * 2 / 16, 4)" in binding
-    assert "data.is_contiguous()" in binding and "element_size() == 1" in binding
+    assert "data.is_contiguous()" in binding and "scales.dim() == 1" in binding
+    assert "ScalarType::Float4_e2m1fn_x2" in binding and "ScalarType::Float8_e4m3fn" in binding
 
 
 def test_wgrad_operands_are_k_major_after_transpose():
@@ -423,6 +426,21 @@ def test_missing_compiler_raises(tmp_path):
         assert not cutlass_gemm.toolchain_available()[0]
 
 
+@pytest.mark.parametrize("release, arch, message", [
+    ("12.6", "sm_100a", "nvcc is CUDA 12.6, too old for sm_100a: it needs CUDA 12.8 or newer"),
+    ("12.8", "sm_103a", "nvcc is CUDA 12.8, too old for sm_103a: it needs CUDA 12.9 or newer"),
+])
+def test_a_toolkit_too_old_for_the_arch_is_refused_before_compiling(fake_nvcc, monkeypatch, release, arch, message):
+    monkeypatch.setenv("FAKE_NVCC_RELEASE", release)
+    build_cache.nvcc_version.cache_clear()
+    try:
+        with pytest.raises(KernelBuildError, match=message):
+            cutlass_gemm.build(GemmConfig(), arch=arch, progress=False)
+    finally:
+        build_cache.nvcc_version.cache_clear()
+    assert fake_nvcc() == 0
+
+
 def test_unsupported_arch_raises(fake_nvcc):
     with pytest.raises(KernelBuildError, match="sm_90a"):
         cutlass_gemm.build(GemmConfig(), arch="sm_90a", progress=False)
@@ -477,6 +495,44 @@ def test_cli_build_and_list(fake_nvcc, tmp_path, capsys):
     assert _cli("kernels", "list") == 0
     listed = capsys.readouterr().out
     assert "1 entry" in listed and "nvfp4_gemm_2sm_256x128x256_c2x1_bf16" in listed and " ok " in listed
+
+
+def test_cli_builds_every_configuration_of_a_shape_list_once(fake_nvcc, capsys):
+    shapes = "4096x4096x4096,8192x4096x4096,?x4096x4096,16x4096x4096,128x100x64"
+    assert _cli("kernels", "build", "--shapes", shapes, "--out-dtype", "fp32", "--quiet") == 0
+    captured = capsys.readouterr()
+    chosen, rejected = cutlass_gemm.configs_for_shapes(
+        [(4096, 4096, 4096), (8192, 4096, 4096), (None, 4096, 4096), (16, 4096, 4096), (128, 100, 64)], "fp32"
+    )
+    assert len(rejected) == 1 and "no CUTLASS kernel for 128x100x64" in captured.err
+    assert fake_nvcc() == len(chosen) and len(chosen) >= 2
+    for config in chosen:
+        assert config.name in captured.out
+    assert "?x4096x4096" in captured.out
+
+
+def test_cli_builds_the_kernels_of_a_model(fake_nvcc, tmp_path, monkeypatch, capsys, fresh_dynamo):
+    (tmp_path / "aot_model.py").write_text(textwrap.dedent(
+        """\
+        import torch
+
+        def make():
+            torch.manual_seed(0)
+            blocks = [torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+                      for _ in range(6)]
+            model = torch.nn.Sequential(*blocks)
+            return model, (torch.randn(4, 24, 64),)
+        """
+    ))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _cli("kernels", "build", "--model", "aot_model:make", "--quiet") == 0
+    out = capsys.readouterr().out
+    # 4 middle blocks x 2 linears x (fprop, dgrad, wgrad); wgrad's K = 96 tokens: padded at run time.
+    shapes = re.search(r"\] nvfp4_gemm_\w+ for (.*)", out).group(1).split(", ")
+    # fprop and dgrad of the two linears ([96 tokens, 64] -> 128 -> 64), and their wgrad: K = 96 tokens.
+    assert sorted(shapes) == sorted(["96x128x64", "96x64x128", "128x64x96", "64x128x96"])
+    assert fake_nvcc() >= 1
+    assert _cli("kernels", "build", "--model", "no_such_module:make") == 2
 
 
 def test_cli_rejects_bad_shapes(fake_nvcc, capsys):
