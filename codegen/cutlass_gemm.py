@@ -123,6 +123,7 @@ NVCC_FLAGS = (
     "-DNDEBUG",
     "--expt-relaxed-constexpr",
     "-Xcompiler=-fPIC",
+    "--resource-usage",  # ptxas's registers, spills and stack per kernel, kept in build.log (build_stats)
 )
 BINDING_FLAGS = ("-std=c++20", "-O2", "-Xcompiler=-fPIC")
 
@@ -527,6 +528,25 @@ def find_prebuilt(config: GemmConfig, arch: str) -> Optional[BuildResult]:
             paths = {k: entry["path"] / v for k, v in _ENTRY_FILES.items() if (entry["path"] / v).exists()}
             return BuildResult(paths=paths, from_cache=True, key=entry["key"], entry_dir=entry["path"])
     return None
+
+
+def build_stats(result: BuildResult) -> dict:
+    """What a build says about its kernel without a GPU: the mainloop's pipeline stages (from the PTX)
+    and, for the GEMM kernel (the largest register count of the TU), ptxas's registers and spill bytes
+    (from build.log)."""
+    stats: dict = {}
+    stages = re.search(r"_pipeline_stages = (\d+);", result.ptx.read_text())
+    if stages:
+        stats["stages"] = int(stages.group(1))
+    log_path = result.paths.get("log")
+    text = log_path.read_text() if log_path is not None else ""
+    kernels = re.findall(
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads\s*\n.*?Used (\d+) registers", text
+    )
+    if kernels:
+        stack, stores, loads, regs = max((tuple(map(int, k)) for k in kernels), key=lambda k: k[3])
+        stats.update(registers=regs, spill_stores=stores, spill_loads=loads, stack=stack)
+    return stats
 
 
 _LOADED: dict[tuple[GemmConfig, str], Callable] = {}

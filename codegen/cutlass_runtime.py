@@ -174,7 +174,9 @@ def self_test(config: GemmConfig, kernel: Callable, device) -> None:
     qa = formats.quantize(torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 4)
     qb = formats.quantize(torch.randn(n, k, generator=gen), block="16x16")
     what = f"self-test of {config.name} ({m}x{n}x{k}) on {device}"
-    operands = [t.to(device) for t in (qa.data, qa.scales, qa.amax, qb.data, qb.scales, qb.amax)]
+    # Bytes cross devices (a copy of the FP4/FP8 storage dtypes needs kernels not every build has).
+    operands = [t.view(torch.uint8).to(device) if t.element_size() == 1 else t.to(device)
+                for t in (qa.data, qa.scales, qa.amax, qb.data, qb.scales, qb.amax)]
     try:
         a, sa, b, sb = prepare_operands(operands[0], operands[1], operands[3], operands[4])
         out = kernel(a, sa, operands[2], b, sb, operands[5], None)

@@ -589,6 +589,21 @@ def test_real_sm100a_build_uses_block_scaled_tcgen05(real_cache, monkeypatch):
 
 
 @pytest.mark.nvcc
+def test_real_sm100a_build_of_a_2sm_configuration(real_cache):
+    """A 2-SM configuration (the schedule large GEMMs select): a pair of CTAs issues the MMA, the mainloop
+    is pipelined, and the kernel spills nothing."""
+    _toolchain_or_skip()
+    config = GemmConfig("2sm", 128, "bf16")
+    result = cutlass_gemm.build(config, arch="sm_100a", progress=True)
+    ptx = result.ptx.read_text()
+    assert re.search(r"tcgen05\.mma\.cta_group::2\.kind::mxf4nvf4\.block_scale", ptx), "no 2-SM block-scaled MMA"
+    stats = cutlass_gemm.build_stats(result)
+    assert stats["stages"] >= 3, stats
+    assert stats["spill_stores"] == 0 and stats["spill_loads"] == 0, stats
+    assert result.paths["cubin"].read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.nvcc
 @pytest.mark.parametrize("m, n, k", [(1, 32, 32), (130, 64, 96), (256, 300, 512), (129, 257, 80)])
 def test_scale_layout_matches_cutlass(real_cache, monkeypatch, m, n, k):
     _toolchain_or_skip()
