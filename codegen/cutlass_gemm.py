@@ -108,12 +108,14 @@ _OUT_DTYPES = {
     "fp32": ("float", torch.float32, "at::kFloat"),
 }
 _TORCH_TO_OUT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
-_TILE_N = (64, 128, 192, 256)
+# N = 256 is not offered: with nvcc 13.0 / CUTLASS 4.2 its 1-SM (128x256) and 2-SM (256x256) builds
+# use 255 registers and spill 144-248 bytes, with 1-4 pipeline stages (benchmarks/build_matrix.py).
+_TILE_N = (64, 128, 192)
 # Cluster shapes (M, N) each schedule is offered with; the first is the default.
 _CLUSTERS = {"1sm": ((1, 1), (2, 1)), "2sm": ((2, 1), (4, 1))}
 _TILE_M = {"1sm": 128, "2sm": 256}
 # Tiles the selection heuristic chooses among (every supported tile can still be built explicitly).
-_CANDIDATE_TILES = (("1sm", 64), ("1sm", 128), ("1sm", 256), ("2sm", 128), ("2sm", 256))
+_CANDIDATE_TILES = (("1sm", 64), ("1sm", 128), ("1sm", 192), ("2sm", 128), ("2sm", 192))
 # Weight of operand traffic against MMA work in the cost model (see select_config).
 _TRAFFIC_WEIGHT = 32.0
 
@@ -174,6 +176,11 @@ class GemmConfig:
             object.__setattr__(self, "cluster_m", _CLUSTERS[self.schedule][0][0])
         if self.out_dtype not in _OUT_DTYPES:
             raise ValueError(f"out_dtype must be one of {sorted(_OUT_DTYPES)}, got {self.out_dtype!r}")
+        if self.tile_n == 256:
+            raise ValueError(
+                "tile_n=256 is not offered: its builds spill registers and get 1-4 pipeline stages "
+                f"(benchmarks/RESULTS.md); choose one of {_TILE_N}"
+            )
         if self.tile_n not in _TILE_N:
             raise ValueError(f"tile_n must be one of {_TILE_N} for NVFP4 MMAs, got {self.tile_n}")
         if self.tile_k != 256:
@@ -288,8 +295,8 @@ def select_config(
 
     Rules: N, K > 0 where static, M >= 0; N % 32 == 0 (16-byte aligned TMA rows); K % 16 == 0 (the
     block; a K that is not a multiple of 32 is zero-padded to one at run time); output BF16 or FP32.
-    Heuristic (wave quantization): for each candidate tile (1-SM 128x64, 128x128, 128x256; 2-SM
-    256x128, 256x256) count the output tiles, the waves needed to run them with ``num_sms`` SMs (a 2-SM tile
+    Heuristic (wave quantization): for each candidate tile (1-SM 128x64, 128x128, 128x192; 2-SM
+    256x128, 256x192) count the output tiles, the waves needed to run them with ``num_sms`` SMs (a 2-SM tile
     occupies two), and estimate ``waves * per-SM tile area * (1 + 32 * per-SM operand rows / per-SM
     tile area)``: the MMA work of the slowest SM plus a term for loading A and B, which is what larger
     tiles and the 2-SM split of B save. The lowest estimate wins; ties go to the larger tile.

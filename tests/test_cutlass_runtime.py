@@ -245,7 +245,7 @@ def test_a_failing_configuration_falls_back_once_where_emulation_is_allowed(blac
 
 
 def test_warm_up_reports_each_configuration(blackwell, monkeypatch):
-    good, bad = GemmConfig("1sm", 64, "bf16"), GemmConfig("2sm", 256, "bf16")
+    good, bad = GemmConfig("1sm", 64, "bf16"), GemmConfig("2sm", 192, "bf16")
     _loader(monkeypatch, lambda c: simulated_kernel(c) if c == good else _raising("launch failed")(c))
     outcome = cutlass_runtime.warm_up([good, bad], device="cpu")
     assert outcome[good.name] is None and "launch failed" in outcome[bad.name]
