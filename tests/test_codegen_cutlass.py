@@ -24,7 +24,7 @@ import torch
 
 from fp4compile import config as settings
 from fp4compile import formats
-from fp4compile.codegen import build_cache, cutlass_gemm
+from fp4compile.codegen import build_cache, cutlass_gemm, cutlass_toolkit
 from fp4compile.codegen.cutlass_gemm import GemmConfig, KernelBuildError
 
 # ----------------------------------------------------------------------------------------------
@@ -534,6 +534,38 @@ def test_cli_builds_the_kernels_of_a_model(fake_nvcc, tmp_path, monkeypatch, cap
     assert sorted(shapes) == sorted(["96x128x64", "96x64x128", "128x64x96", "64x128x96"])
     assert fake_nvcc() >= 1
     assert _cli("kernels", "build", "--model", "no_such_module:make") == 2
+
+
+def test_build_matrix_records_each_configuration_and_resumes(fake_nvcc, monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "build_matrix.py"
+    spec = importlib.util.spec_from_file_location("build_matrix_under_test", path)
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    out = tmp_path / "matrix.json"
+    names = ["nvfp4_gemm_2sm_256x192x256_c2x1_bf16", "nvfp4_gemm_1sm_128x64x256_c1x1_fp32"]
+    assert matrix.main(["--only", *names, "--arch", "sm_100a", "--arch", "sm_103a", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "[1/4] sm_100a/nvfp4_gemm_2sm_256x192x256_c2x1_bf16: ok" in printed and "[4/4] sm_103a/" in printed
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == sorted(f"{a}/{n}" for a in ("sm_100a", "sm_103a") for n in names)
+    assert all(r["status"] == "ok" and r["seconds"] is not None for r in results.values())
+    assert fake_nvcc() == 4
+    # Run again: everything is recorded, nothing compiles.
+    assert matrix.main(["--only", *names, "--arch", "sm_100a", "--arch", "sm_103a", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("recorded earlier (ok)") == 4 and fake_nvcc() == 4
+    # A toolkit too old for sm_103a: refused there before compiling, built for sm_100a.
+    monkeypatch.setenv("FAKE_NVCC_RELEASE", "12.8")
+    build_cache.nvcc_version.cache_clear()
+    try:
+        other = tmp_path / "old.json"
+        assert matrix.main(["--only", names[0], "--arch", "sm_100a", "--arch", "sm_103a", "--out", str(other)]) == 0
+    finally:
+        build_cache.nvcc_version.cache_clear()
+    results = json.loads(other.read_text())["results"]
+    assert results[f"sm_100a/{names[0]}"]["status"] == "ok"
+    assert results[f"sm_103a/{names[0]}"] == {"status": "refused", "error": cutlass_toolkit.toolkit_problem((12, 8), "sm_103a", None)}
 
 
 def test_cli_rejects_bad_shapes(fake_nvcc, capsys):
