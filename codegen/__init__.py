@@ -5,7 +5,7 @@ says whether it can take the call and why not. The choice and its reason are sto
 
 | kernel name | where | what |
 |---|---|---|
-| ``cutlass:<config>`` | sm_100 GPUs with CUDA torch | generated CUTLASS SM100 block-scaled NVFP4 GEMM |
+| ``cutlass:<config>[+emulation]`` | sm_100 GPUs with CUDA torch | generated CUTLASS SM100 block-scaled NVFP4 GEMM, built on first use or ahead of time (``codegen.cutlass_runtime``); ``+emulation``: the recipe allows the emulated GEMM where the kernel fails |
 | ``emulation`` | everywhere | block-decode both operands (exact), matmul with fp32 accumulation, alpha; on CUDA a BF16 GEMM on the decoded operands (Triton-decoded for NVFP4) with alpha in cuBLASLt's epilogue (``cublaslt_gemm``) or an fp32 output and an epilogue kernel |
 """
 
@@ -52,38 +52,64 @@ def _notice(message: str) -> None:
         log.warning("fp4compile: %s", message)
 
 
-def _cutlass_choice(m, n, k, fmt, out_dtype, device):
-    """(KernelChoice or None, reason it was not taken)."""
+class CutlassRequired(RuntimeError):
+    """An FP4 GEMM on a Blackwell GPU has no CUTLASS kernel and the recipe does not allow emulation."""
+
+
+def _cutlass_choice(m, n, k, fmt, out_dtype, device, allow_emulation):
+    """(KernelChoice or None, reason it was not taken). Pure: selects from the device's architecture and
+    the GEMM's N, K and M (or M's size hint), builds nothing (``cutlass_runtime`` builds on first use)."""
     if fmt != "nvfp4":
         return None, f"CUTLASS kernels are generated for NVFP4 only, not {fmt}"
     if device.type != "cuda":
         return None, f"device {device} is not a CUDA GPU"
     try:
-        from . import cutlass_gemm
+        from . import cutlass_gemm, cutlass_runtime
     except ImportError as exc:
         return None, f"CUTLASS code generation unavailable: {exc}"
     ok, why = cutlass_gemm.device_supports_cutlass(device)
     if not ok:
         return None, why
-    if not all(isinstance(d, int) for d in (m, n, k)):
-        return None, f"dynamic GEMM shape ({m}, {n}, {k}): CUTLASS configurations are chosen per static shape"
     config, why = cutlass_gemm.select_config(m, n, k, out_dtype)
     if config is None:
         return None, why
-    try:
-        cutlass_gemm.load(config, device=device)
-    except cutlass_gemm.KernelBuildError as exc:  # never stop training: fall back, keep the compiler's error
-        return None, f"CUTLASS build failed, using emulation: {exc}"
-    return KernelChoice(f"cutlass:{config.name}", why), ""
+    return KernelChoice(cutlass_runtime.kernel_name(config, allow_emulation), why), ""
 
 
-def choose_kernel(m, n, k, fmt: str, out_dtype: torch.dtype, device) -> KernelChoice:
-    """The kernel for C[m, n] = A[m, k] @ B[n, k]^T in ``fmt`` on ``device``."""
+def is_blackwell(device) -> bool:
+    """Whether ``device`` runs CUTLASS NVFP4 GEMMs (where an FP4 GEMM off them needs ``allow_emulation``)."""
     device = torch.device(device)
-    choice, why_not = _cutlass_choice(m, n, k, fmt, out_dtype, device)
+    if device.type != "cuda":
+        return False
+    try:
+        from .cutlass_toolkit import is_cutlass_device
+    except ImportError:
+        return False
+    return is_cutlass_device(device)
+
+
+def choose_kernel(m, n, k, fmt: str, out_dtype: torch.dtype, device, allow_emulation: bool = True) -> KernelChoice:
+    """The kernel for C[m, n] = A[m, k] @ B[n, k]^T in ``fmt`` on ``device``; M and K may be symbolic.
+
+    On a Blackwell GPU a GEMM that gets no CUTLASS kernel raises ``CutlassRequired`` with the reason
+    unless ``allow_emulation``."""
+    device = torch.device(device)
+    choice, why_not = _cutlass_choice(m, n, k, fmt, out_dtype, device, allow_emulation)
     if choice is not None:
         return choice
+    return emulation(why_not, fmt, device, allow_emulation)
+
+
+def emulation(why_not: str, fmt: str, device, allow_emulation: bool = True) -> KernelChoice:
+    """The emulated kernel, for the reason ``why_not`` no other takes the GEMM; raises ``CutlassRequired``
+    on a Blackwell GPU unless ``allow_emulation``."""
+    device = torch.device(device)
     if device.type == "cuda":
+        if is_blackwell(device) and not allow_emulation:
+            raise CutlassRequired(
+                f"{why_not}; on a Blackwell GPU FP4 GEMMs run on CUTLASS kernels only: "
+                "Recipe(allow_emulation=True) (or Backend(allow_emulation=True)) runs such GEMMs in emulation"
+            )
         _notice(f"FP4 GEMMs run in emulation on {torch.cuda.get_device_name(device)}: {why_not}")
         if fmt == "nvfp4":
             from . import cublaslt_gemm
@@ -94,10 +120,12 @@ def choose_kernel(m, n, k, fmt: str, out_dtype: torch.dtype, device) -> KernelCh
 
 def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype):
     if kernel.startswith("cutlass:"):
-        from . import cutlass_gemm
+        from . import cutlass_runtime
 
-        config = cutlass_gemm.GemmConfig.from_name(kernel.split(":", 1)[1])
-        return cutlass_gemm.scaled_mm(config, a, a_scales, a_amax, b, b_scales, b_amax)
+        out = cutlass_runtime.scaled_mm(kernel, a, a_scales, a_amax, b, b_scales, b_amax, out_dtype)
+        if out is not None:
+            return out
+        # The configuration failed on this device and the recipe allows emulation: the emulated GEMM.
     if a.is_cuda and a.dim() == 2 and b.dim() == 2:
         # Block-decoded operands are exact in BF16 (every E2M1 x E4M3 and E2M1 x E8M0 product is): a
         # BF16 GEMM with fp32 output accumulates the same products at tensor-core speed, alpha after.

@@ -5,16 +5,20 @@ codes two per byte, K-major; E4M3 scales per 16 elements in the 128x4 tiled layo
 ``fp4compile.formats.swizzle_scales``) and ``alpha = (amax_A / 2688) * (amax_B / 2688)`` computed on
 the device. Output is BF16 or FP32, accumulation FP32.
 
-Flow (what the lowering pass calls):
+Flow:
 
-1. ``device_supports_cutlass(device)`` -> (ok, reason): only sm_100 / sm_103 class GPUs with CUDA torch.
-2. ``select_config(m, n, k, out_dtype)`` -> (GemmConfig | None, reason): alignment rules and a
-   wave-quantization cost model pick the MMA tile and 1-SM / 2-SM schedule.
-3. ``load(config)`` -> callable ``(a_data, a_scales, a_amax, b_data, b_scales, b_amax, bias=None) -> out``.
-   It calls ``build`` (cached), which renders ``cutlass_templates/nvfp4_gemm_sm100.cu.j2`` (the kernel,
-   no torch headers) and ``nvfp4_gemm_binding.cpp.j2`` (the torch op), compiles the kernel with nvcc
-   to PTX, cubin and a host object everywhere nvcc exists, and links the torch extension module only
-   where torch has CUDA. Any failure raises ``KernelBuildError``; callers fall back to emulation.
+1. ``device_supports_cutlass(device)`` -> (ok, reason): only sm_100 / sm_103 class GPUs with CUDA torch
+   (``cutlass_toolkit``).
+2. ``select_config(m, n, k, out_dtype)`` -> (GemmConfig | None, reason): what the lowering pass calls.
+   Pure: alignment rules and a wave-quantization cost model over N, K and M (or a size hint of M)
+   pick the MMA tile and 1-SM / 2-SM schedule; nothing is built.
+3. ``load(config)`` -> callable ``(a_data, a_scales, a_amax, b_data, b_scales, b_amax, bias=None) -> out``,
+   what the op calls on first use of a configuration (``cutlass_runtime``), and ``build`` ahead of
+   time (``fp4compile kernels build``). ``build`` (cached) renders ``cutlass_templates/nvfp4_gemm_sm100.cu.j2``
+   (the kernel, no torch headers) and ``nvfp4_gemm_binding.cpp.j2`` (the torch op), checks the toolkit
+   (``cutlass_toolkit.check_toolkit``), compiles the kernel with nvcc to PTX, cubin and a host object
+   everywhere nvcc exists, and links the torch extension module only where torch has CUDA. Any failure
+   raises ``KernelBuildError``.
 
 A configuration is shape-independent (M, N, K are runtime arguments), so one build serves every GEMM
 shape that selects it.
@@ -25,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib.metadata
+import json
 import math
 import re
 import shutil
@@ -42,9 +46,18 @@ from .build_cache import (
     cached_build,
     find_nvcc,
     list_entries,
-    nvcc_release,
     nvcc_version,
     run_compiler,
+)
+from .cutlass_toolkit import (
+    SUPPORTED_ARCHS,
+    arch_for_device,
+    check_toolkit,
+    cutlass_include_dirs,
+    cutlass_version,
+    device_supports_cutlass,
+    gencode,
+    toolchain_available,
 )
 
 __all__ = [
@@ -71,16 +84,18 @@ __all__ = [
     "scale_layout_probe",
 ]
 
-# Architectures the kernel is built for: arch-specific SM100 / SM103 targets, or the SM100 family
-# target whose cubin runs on both.
-SUPPORTED_ARCHS = ("sm_100a", "sm_103a", "sm_100f")
 OP_NAMESPACE = "fp4compile_cutlass"
 
-# Alignment rules. TMA moves 16-byte aligned rows: K % 32 for the FP4 operands (32 codes = 16 bytes).
+# Alignment rules. TMA moves 16-byte aligned rows: K % 32 for the FP4 operands (32 codes = 16 bytes);
+# a K that is a multiple of the 16-element block but not of 32 (wgrad's token count) is zero-padded to
+# the next multiple of 32 by the op (``cutlass_runtime.pad_k``), so selection asks for K % 16 only.
 # N % 32 is stricter than the 16-byte output rows need (N % 8 for BF16, N % 4 for FP32): a margin that
 # keeps the output and the bias vector aligned for every tile and epilogue configuration.
 ALIGN_K = 32
 ALIGN_N = 32
+BLOCK_K = 16
+# M of a GEMM whose token count is symbolic (dynamo's dynamic shapes) when no size hint is known.
+DEFAULT_M_HINT = 8192
 # Default SM count for the cost model: B200 has 148 SMs.
 DEFAULT_NUM_SMS = 148
 
@@ -93,12 +108,14 @@ _OUT_DTYPES = {
     "fp32": ("float", torch.float32, "at::kFloat"),
 }
 _TORCH_TO_OUT = {torch.bfloat16: "bf16", torch.float32: "fp32"}
-_TILE_N = (64, 128, 192, 256)
+# N = 256 is not offered: with nvcc 13.0 / CUTLASS 4.2 its 1-SM (128x256) and 2-SM (256x256) builds
+# use 255 registers and spill 144-248 bytes, with 1-4 pipeline stages (benchmarks/build_matrix.py).
+_TILE_N = (64, 128, 192)
 # Cluster shapes (M, N) each schedule is offered with; the first is the default.
 _CLUSTERS = {"1sm": ((1, 1), (2, 1)), "2sm": ((2, 1), (4, 1))}
 _TILE_M = {"1sm": 128, "2sm": 256}
 # Tiles the selection heuristic chooses among (every supported tile can still be built explicitly).
-_CANDIDATE_TILES = (("1sm", 64), ("1sm", 128), ("1sm", 256), ("2sm", 128), ("2sm", 256))
+_CANDIDATE_TILES = (("1sm", 64), ("1sm", 128), ("1sm", 192), ("2sm", 128), ("2sm", 192))
 # Weight of operand traffic against MMA work in the cost model (see select_config).
 _TRAFFIC_WEIGHT = 32.0
 
@@ -108,6 +125,7 @@ NVCC_FLAGS = (
     "-DNDEBUG",
     "--expt-relaxed-constexpr",
     "-Xcompiler=-fPIC",
+    "--resource-usage",  # ptxas's registers, spills and stack per kernel, kept in build.log (build_stats)
 )
 BINDING_FLAGS = ("-std=c++20", "-O2", "-Xcompiler=-fPIC")
 
@@ -158,6 +176,11 @@ class GemmConfig:
             object.__setattr__(self, "cluster_m", _CLUSTERS[self.schedule][0][0])
         if self.out_dtype not in _OUT_DTYPES:
             raise ValueError(f"out_dtype must be one of {sorted(_OUT_DTYPES)}, got {self.out_dtype!r}")
+        if self.tile_n == 256:
+            raise ValueError(
+                "tile_n=256 is not offered: its builds spill registers and get 1-4 pipeline stages "
+                f"(benchmarks/RESULTS.md); choose one of {_TILE_N}"
+            )
         if self.tile_n not in _TILE_N:
             raise ValueError(f"tile_n must be one of {_TILE_N} for NVFP4 MMAs, got {self.tile_n}")
         if self.tile_k != 256:
@@ -241,14 +264,39 @@ def _out_name(out_dtype: Union[str, torch.dtype]) -> Optional[str]:
     return out_dtype if out_dtype in _OUT_DTYPES else None
 
 
+def _static_int(d) -> Optional[int]:
+    """``d`` as an int when it is one (or a SymInt with a constant value), else None."""
+    if isinstance(d, int):
+        return d
+    node = getattr(d, "node", None)
+    if node is not None and node.is_constant():
+        return int(d)
+    return None
+
+
+def size_hint(d, default: int = DEFAULT_M_HINT) -> int:
+    """An int standing for the size ``d``: itself when static, else the SymInt's hint (the size dynamo
+    last saw), else ``default``. Never adds a shape guard."""
+    value = _static_int(d)
+    if value is not None:
+        return value
+    hint = getattr(getattr(d, "node", None), "hint", None)
+    return int(hint) if isinstance(hint, int) and hint > 0 else default
+
+
 def select_config(
-    m: int, n: int, k: int, out_dtype: Union[str, torch.dtype] = "bf16", *, num_sms: int = DEFAULT_NUM_SMS
+    m, n, k, out_dtype: Union[str, torch.dtype] = "bf16", *, num_sms: int = DEFAULT_NUM_SMS
 ) -> tuple[Optional[GemmConfig], str]:
     """The configuration for an (M, N, K) GEMM with the given output dtype, and why; (None, why not).
 
-    Rules: M, N, K > 0; K % 32 == 0 and N % 32 == 0 (16-byte aligned TMA rows); output BF16 or FP32.
-    Heuristic (wave quantization): for each candidate tile (1-SM 128x64, 128x128, 128x256; 2-SM 256x128,
-    256x256) count the output tiles, the waves needed to run them with ``num_sms`` SMs (a 2-SM tile
+    Pure: depends on its arguments only, builds nothing. M and K may be symbolic (SymInt, or None for
+    unknown): the configuration does not depend on K, and M is replaced by its size hint
+    (``size_hint``). N must be static.
+
+    Rules: N, K > 0 where static, M >= 0; N % 32 == 0 (16-byte aligned TMA rows); K % 16 == 0 (the
+    block; a K that is not a multiple of 32 is zero-padded to one at run time); output BF16 or FP32.
+    Heuristic (wave quantization): for each candidate tile (1-SM 128x64, 128x128, 128x192; 2-SM
+    256x128, 256x192) count the output tiles, the waves needed to run them with ``num_sms`` SMs (a 2-SM tile
     occupies two), and estimate ``waves * per-SM tile area * (1 + 32 * per-SM operand rows / per-SM
     tile area)``: the MMA work of the slowest SM plus a term for loading A and B, which is what larger
     tiles and the 2-SM split of B save. The lowest estimate wins; ties go to the larger tile.
@@ -256,16 +304,21 @@ def select_config(
     out = _out_name(out_dtype)
     if out is None:
         return None, f"output dtype {out_dtype} is not supported by the CUTLASS NVFP4 GEMM (bf16 or fp32)"
-    if m <= 0 or n <= 0 or k <= 0:
+    n_static, k_static = _static_int(n), _static_int(k)
+    if n_static is None:
+        return None, f"N={n} is symbolic; CUTLASS configurations need a static N"
+    m_static = _static_int(m)
+    m_used = size_hint(m)
+    if n_static <= 0 or (k_static is not None and k_static <= 0) or (m_static is not None and m_static <= 0):
         return None, f"empty GEMM (M={m}, N={n}, K={k})"
-    rules = (("K", k, ALIGN_K), ("N", n, ALIGN_N))
+    rules = [("N", n_static, ALIGN_N)] + ([("K", k_static, BLOCK_K)] if k_static is not None else [])
     misaligned = [f"{dim}={v} is not a multiple of {a}" for dim, v, a in rules if v % a]
     if misaligned:
         return None, "alignment: " + " and ".join(misaligned) + " (16-byte TMA rows); use emulation or pad"
     best = None
     for schedule, tile_n in _CANDIDATE_TILES:
         config = GemmConfig(schedule, tile_n, out)
-        tiles = math.ceil(m / config.tile_m) * math.ceil(n / tile_n)
+        tiles = math.ceil(m_used / config.tile_m) * math.ceil(n_static / tile_n)
         slots = max(num_sms // config.sms_per_tile, 1)
         waves = math.ceil(tiles / slots)
         rows_per_sm = config.tile_m // config.sms_per_tile
@@ -276,12 +329,42 @@ def select_config(
         if best is None or rank < best[0]:
             best = (rank, config, tiles, waves)
     (cost, _), config, tiles, waves = best
+    notes = []
+    if m_static is None:
+        notes.append(f"M={m} symbolic, sized for its hint {m_used}")
+    if k_static is None or k_static % ALIGN_K:
+        notes.append(f"K={k} zero-padded to a multiple of {ALIGN_K} at run time when it is not one")
     reason = (
         f"{config.name}: {tiles} tile(s) of {config.tile_m}x{config.tile_n} on {num_sms} SMs "
         f"({config.sms_per_tile} SM per tile) = {waves} wave(s), estimated cost {cost:.0f}, "
-        f"lowest of {len(_CANDIDATE_TILES)} candidates"
+        f"lowest of {len(_CANDIDATE_TILES)} candidates" + "".join(f"; {note}" for note in notes)
     )
     return config, reason
+
+
+def report_shapes(report) -> list[tuple]:
+    """(M, N, K) of every NVFP4 GEMM in a ``fp4compile.Report`` (each site's fprop, dgrad and wgrad);
+    a symbolic dim (text in the report) is None."""
+    shapes = []
+    for site in report.sites:
+        for info in site.roles.values():
+            if info.precision == "nvfp4" and info.shape:
+                shapes.append(tuple(d if isinstance(d, int) else None for d in info.shape))
+    return shapes
+
+
+def configs_for_shapes(shapes, out_dtype: Union[str, torch.dtype] = "bf16") -> tuple[dict, list]:
+    """({configuration: [the shapes that select it]}, [(shape, reason) of those that select none]), as
+    ``select_config`` chooses for each (M, N, K); None stands for a symbolic dim."""
+    chosen: dict = {}
+    rejected = []
+    for shape in shapes:
+        config, reason = select_config(*shape, out_dtype)
+        if config is None:
+            rejected.append((shape, reason))
+        else:
+            chosen.setdefault(config, []).append(shape)
+    return chosen, rejected
 
 
 def expected_scales_numel(rows: int, k: int) -> int:
@@ -309,81 +392,6 @@ def render_binding(config: GemmConfig) -> str:
         out_torch_dtype=str(config.torch_out_dtype),
         out_scalar_type=_OUT_DTYPES[config.out_dtype][2],
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# Toolchain and devices
-# ----------------------------------------------------------------------------------------------
-
-
-def cutlass_include_dirs() -> list[Path]:
-    """CUTLASS include directories from the nvidia-cutlass wheel: include/ and tools/util/include/."""
-    try:
-        import cutlass_library
-    except ImportError as exc:
-        raise KernelBuildError("the nvidia-cutlass package is not installed (pip install nvidia-cutlass)") from exc
-    source = Path(cutlass_library.__file__).resolve().parent / "source"
-    dirs = [source / "include", source / "tools" / "util" / "include"]
-    if not (dirs[0] / "cutlass" / "cutlass.h").exists():
-        raise KernelBuildError(f"the nvidia-cutlass package has no C++ headers under {dirs[0]}")
-    return dirs
-
-
-@functools.lru_cache(maxsize=None)
-def cutlass_version() -> str:
-    """CUTLASS version of the headers (version.h) and of the wheel that ships them."""
-    version_h = (cutlass_include_dirs()[0] / "cutlass" / "version.h").read_text()
-    parts = [re.search(rf"#define CUTLASS_{p}\s+(\d+)", version_h) for p in ("MAJOR", "MINOR", "PATCH")]
-    headers = ".".join(p.group(1) if p else "?" for p in parts)
-    try:
-        wheel = importlib.metadata.version("nvidia-cutlass")
-    except importlib.metadata.PackageNotFoundError:
-        wheel = "unknown"
-    return f"headers {headers}, nvidia-cutlass {wheel}"
-
-
-def toolchain_available() -> tuple[bool, str]:
-    """Whether nvcc and the CUTLASS headers are present (needed to build, not to load a cached kernel)."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        return False, "nvcc not found (set CUDA_HOME or FP4COMPILE_NVCC, or put nvcc on PATH)"
-    try:
-        cutlass_include_dirs()
-    except KernelBuildError as exc:
-        return False, str(exc)
-    return True, f"{nvcc} ({nvcc_version(nvcc)}), CUTLASS {cutlass_version()}"
-
-
-def device_supports_cutlass(device=None) -> tuple[bool, str]:
-    """Whether ``device`` can run the CUTLASS NVFP4 GEMMs: CUDA torch and an sm_100 / sm_103 class GPU."""
-    if torch.version.cuda is None:
-        return False, f"torch {torch.__version__} is built without CUDA"
-    dev = torch.device(device) if device is not None else torch.device("cuda")
-    if dev.type != "cuda":
-        return False, f"device {dev} is not a CUDA device"
-    if not torch.cuda.is_available():
-        return False, "no CUDA device is available"
-    major, minor = torch.cuda.get_device_capability(dev)
-    name = torch.cuda.get_device_name(dev)
-    if (major, minor) in ((10, 0), (10, 3)):
-        return True, f"{name} is compute capability {major}.{minor} (tcgen05 block-scaled MMA)"
-    return False, (
-        f"{name} is compute capability {major}.{minor}; the NVFP4 tensor-core GEMM needs 10.0 or 10.3 "
-        "(B200/GB200/B300 class)"
-    )
-
-
-def arch_for_device(device=None) -> str:
-    """The nvcc arch to build for ``device``: sm_100a for compute capability 10.0, sm_103a for 10.3."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}a"
-
-
-def _gencode(arch: str) -> str:
-    if arch not in SUPPORTED_ARCHS:
-        raise KernelBuildError(f"arch {arch!r} is not supported; choose one of {SUPPORTED_ARCHS}")
-    number = arch[3:]
-    return f"-gencode=arch=compute_{number},code=sm_{number}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -438,7 +446,7 @@ def _torch_build_identity() -> dict:
     }
 
 
-def _build_material(config: GemmConfig, arch: str, nvcc: str) -> dict:
+def _build_material(config: GemmConfig, arch: str, nvcc: Optional[str]) -> dict:
     """Everything a build's output depends on: its hash is the cache key."""
     return {
         "kind": "nvfp4_gemm",
@@ -447,7 +455,7 @@ def _build_material(config: GemmConfig, arch: str, nvcc: str) -> dict:
         "config": dataclasses.asdict(config),
         "params": config.template_params(),
         "arch": arch,
-        "nvcc": nvcc_version(nvcc),
+        "nvcc": nvcc_version(nvcc) if nvcc else None,
         "nvcc_flags": list(NVCC_FLAGS),
         "binding_flags": list(BINDING_FLAGS),
         "cutlass": cutlass_version(),
@@ -462,10 +470,8 @@ def build(config: GemmConfig, arch: str = "sm_100a", progress: bool = True) -> B
     not a GPU). The torch extension module is linked too when torch has CUDA, which needs nvcc of the
     same CUDA major version as torch. Raises ``KernelBuildError`` when anything is missing or fails.
     """
-    gencode = _gencode(arch)
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise KernelBuildError("nvcc not found (set CUDA_HOME or FP4COMPILE_NVCC, or put nvcc on PATH)")
+    arch_flag = gencode(arch)
+    nvcc = check_toolkit(arch)  # before any compile: a toolkit that cannot build this arch or link with torch
     includes = cutlass_include_dirs()
     material = _build_material(config, arch, nvcc)
     with_module = torch.version.cuda is not None
@@ -477,7 +483,7 @@ def build(config: GemmConfig, arch: str = "sm_100a", progress: bool = True) -> B
         keep_dir = tmp / "keep"
         keep_dir.mkdir()
         log = run_compiler(
-            [nvcc, gencode, *NVCC_FLAGS, *(f"-I{d}" for d in includes),
+            [nvcc, arch_flag, *NVCC_FLAGS, *(f"-I{d}" for d in includes),
              "-c", files["cu"], "-o", files["object"], "-keep", f"-keep-dir={keep_dir.name}"],
             label=f"{config.name} for {arch}",
             progress=progress,
@@ -505,13 +511,6 @@ def _link_module(nvcc: str, tmp: Path, files: dict, config: GemmConfig, progress
     """Compile the binding against torch and link it with the kernel object into module.so."""
     from torch.utils import cpp_extension
 
-    nvcc_major = nvcc_release(nvcc_version(nvcc))[0]
-    torch_major = int(torch.version.cuda.split(".")[0])
-    if nvcc_major != torch_major:
-        raise KernelBuildError(
-            f"nvcc is CUDA {nvcc_major} but torch is built with CUDA {torch.version.cuda}; the extension "
-            "module needs matching major versions (point CUDA_HOME or FP4COMPILE_NVCC at a matching nvcc)"
-        )
     abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
     cmd = [
         nvcc, "-shared", *BINDING_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
@@ -521,6 +520,40 @@ def _link_module(nvcc: str, tmp: Path, files: dict, config: GemmConfig, progress
         "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_cuda", "-cudart=shared",
     ]
     return run_compiler(cmd, label=f"torch binding of {config.name}", progress=progress, cwd=tmp)
+
+
+def find_prebuilt(config: GemmConfig, arch: str) -> Optional[BuildResult]:
+    """A verified cache entry of ``config`` for ``arch`` with a torch extension module built for this
+    torch by any nvcc (a cache filled ahead of time on another machine), or None."""
+    try:
+        want = {k: v for k, v in _build_material(config, arch, None).items() if k != "nvcc"}
+    except KernelBuildError:  # no CUTLASS headers: their version is part of the material
+        return None
+    for entry in reversed(list_entries()):
+        material = {k: v for k, v in entry["material"].items() if k != "nvcc"}
+        if entry["ok"] and material == json.loads(json.dumps(want, default=str)) and _ENTRY_FILES["module"] in entry["files"]:
+            paths = {k: entry["path"] / v for k, v in _ENTRY_FILES.items() if (entry["path"] / v).exists()}
+            return BuildResult(paths=paths, from_cache=True, key=entry["key"], entry_dir=entry["path"])
+    return None
+
+
+def build_stats(result: BuildResult) -> dict:
+    """What a build says about its kernel without a GPU: the mainloop's pipeline stages (from the PTX)
+    and, for the GEMM kernel (the largest register count of the TU), ptxas's registers and spill bytes
+    (from build.log)."""
+    stats: dict = {}
+    stages = re.search(r"_pipeline_stages = (\d+);", result.ptx.read_text())
+    if stages:
+        stats["stages"] = int(stages.group(1))
+    log_path = result.paths.get("log")
+    text = log_path.read_text() if log_path is not None else ""
+    kernels = re.findall(
+        r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads\s*\n.*?Used (\d+) registers", text
+    )
+    if kernels:
+        stack, stores, loads, regs = max((tuple(map(int, k)) for k in kernels), key=lambda k: k[3])
+        stats.update(registers=regs, spill_stores=stores, spill_loads=loads, stack=stack)
+    return stats
 
 
 _LOADED: dict[tuple[GemmConfig, str], Callable] = {}
@@ -540,7 +573,13 @@ def load(config: GemmConfig, arch: Optional[str] = None, progress: bool = True, 
         raise KernelBuildError(f"torch {torch.__version__} has no CUDA: the CUTLASS kernel module cannot be loaded")
     arch = arch or arch_for_device(device)
     if (config, arch) not in _LOADED:
-        result = build(config, arch=arch, progress=progress)
+        try:
+            result = build(config, arch=arch, progress=progress)
+        except KernelBuildError:
+            # No (usable) nvcc here: a build made ahead of time by another toolkit for this torch serves.
+            result = find_prebuilt(config, arch)
+            if result is None:
+                raise
         if result.module is None:
             raise KernelBuildError(f"the cache entry {result.entry_dir} has no torch extension module")
         try:
@@ -564,10 +603,12 @@ def scaled_mm(
     """``alpha * A . B^T (+ bias)`` with the CUTLASS kernel of ``config``, from ``formats.quantize`` output.
 
     Scales may be given as ``quantize`` returns them ([rows, K/16], swizzled here with
-    ``formats.swizzle_scales``) or already swizzled (1-D). Raises ``KernelBuildError`` when the kernel
-    cannot be built or loaded on this machine.
+    ``formats.swizzle_scales``) or already swizzled (1-D); a K that is not a multiple of 32 is padded
+    with zero codes (``cutlass_runtime.prepare_operands``). Operand dtypes and layouts are checked
+    (``cutlass_runtime.check_operands``). Raises ``KernelBuildError`` when the kernel cannot be built
+    or loaded on this machine.
     """
-    from fp4compile.formats import swizzle_scales
+    from .cutlass_runtime import check_operands, prepare_operands
 
     m, n, k = a_data.shape[0], b_data.shape[0], a_data.shape[-1] * 2
     if m == 0 or n == 0 or k == 0:
@@ -576,9 +617,11 @@ def scaled_mm(
         return out + bias.to(out.dtype) if bias is not None else out
     if a_data.device.type != "cuda":
         raise ValueError(f"the CUTLASS NVFP4 GEMM runs on CUDA tensors, got a tensor on {a_data.device}")
+    a_data, a_scales, b_data, b_scales = prepare_operands(a_data, a_scales, b_data, b_scales)
+    padded_k = a_data.shape[-1] * 2
+    check_operands(config.name, "A", a_data, a_scales, a_amax, padded_k)
+    check_operands(config.name, "B", b_data, b_scales, b_amax, padded_k)
     kernel = load(config, device=a_data.device)
-    a_scales = swizzle_scales(a_scales) if a_scales.dim() == 2 else a_scales
-    b_scales = swizzle_scales(b_scales) if b_scales.dim() == 2 else b_scales
     return kernel(a_data, a_scales, a_amax, b_data, b_scales, b_amax, bias)
 
 

@@ -12,7 +12,8 @@ BlockCount = Union[int, float, None]
 FORMATS = ("nvfp4", "mxfp4")
 HIGH = "high"
 _BOOL_FIELDS = ("rht", "stochastic_rounding", "weight_2d", "quantize_backward", "check_finite",
-                "high_precision_outside_blocks", "include_activation_matmuls", "decoded_operands", "share_weight")
+                "high_precision_outside_blocks", "include_activation_matmuls", "decoded_operands", "share_weight",
+                "allow_emulation")
 _INT_FIELDS = ("rht_size", "seed", "switch_to_high_precision_at", "amax_history")
 _OPTIONAL_FIELDS = ("decoded_operands", "seed", "switch_to_high_precision_at")  # None is allowed
 
@@ -58,6 +59,10 @@ class Recipe:
         (``fp4compile.ranges``): the fprop quantizer's amax of the layer's input is recorded on the
         device by every forward compiled with gradients, and ``export(scheme="NVFP4")`` takes the
         maximum over the last ``amax_history`` of them as the input's global scale. 0 records nothing.
+    allow_emulation: on a Blackwell GPU (compute capability 10.x), let FP4 GEMMs that cannot run on a
+        CUTLASS kernel (a shape or format the kernels do not take, a failed build, load or first-use
+        self-test) run in emulation, with one ``PlanWarning`` per reason. False (the default): such a
+        GEMM is an error naming the reason. No effect on other devices, where emulation is the kernel.
     """
 
     fmt: str = "nvfp4"
@@ -77,6 +82,7 @@ class Recipe:
     decoded_operands: Optional[bool] = None
     share_weight: bool = True
     amax_history: int = 16
+    allow_emulation: bool = False
 
     def __post_init__(self):
         # Every field is checked here, so that a wrong value (a string "false", which is truthy) fails

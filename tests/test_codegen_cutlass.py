@@ -24,7 +24,7 @@ import torch
 
 from fp4compile import config as settings
 from fp4compile import formats
-from fp4compile.codegen import build_cache, cutlass_gemm
+from fp4compile.codegen import build_cache, cutlass_gemm, cutlass_toolkit
 from fp4compile.codegen.cutlass_gemm import GemmConfig, KernelBuildError
 
 # ----------------------------------------------------------------------------------------------
@@ -69,9 +69,9 @@ def test_every_supported_config_renders(config):
 
 def test_supported_configs_cover_both_schedules_tiles_and_dtypes():
     configs = cutlass_gemm.supported_configs()
-    assert len(set(c.name for c in configs)) == len(configs) == 32
+    assert len(set(c.name for c in configs)) == len(configs) == 24
     assert {(c.schedule, c.tile_m) for c in configs} == {("1sm", 128), ("2sm", 256)}
-    assert {c.tile_n for c in configs} == {64, 128, 192, 256}
+    assert {c.tile_n for c in configs} == {64, 128, 192}
     assert {c.out_dtype for c in configs} == {"bf16", "fp32"}
     assert all(c.cluster_m % 2 == 0 for c in configs if c.schedule == "2sm")
 
@@ -80,6 +80,7 @@ def test_supported_configs_cover_both_schedules_tiles_and_dtypes():
     "kwargs, message",
     [
         (dict(tile_n=96), "tile_n"),
+        (dict(tile_n=256), "spill registers"),
         (dict(schedule="4sm"), "schedule"),
         (dict(out_dtype="fp16"), "out_dtype"),
         (dict(tile_k=128), "tile_k"),
@@ -139,12 +140,13 @@ def test_kernel_alpha_matches_the_emulated_gemm():
         ((16, 4096, 4096), "bf16", ("1sm", 64)),  # decode-like: the most tiles wins
         ((1024, 1024, 1024), "bf16", ("1sm", 64)),  # 128 tiles of 128x64 fill one wave of 148 SMs
         ((4096, 4096, 4096), "bf16", ("2sm", 128)),
-        ((8192, 8192, 8192), "fp32", ("2sm", 256)),
-        ((2048, 11008, 4096), "bf16", ("2sm", 256)),
-        ((32768, 4096, 4096), "bf16", ("2sm", 256)),
+        ((8192, 8192, 8192), "fp32", ("2sm", 192)),
+        ((2048, 11008, 4096), "bf16", ("2sm", 192)),
+        ((32768, 4096, 4096), "bf16", ("2sm", 192)),
         ((1, 32, 32), "bf16", ("1sm", 64)),
         ((100, 100, 64), "bf16", None),  # N % 32
-        ((128, 128, 48), "bf16", None),  # K % 32
+        ((128, 128, 48), ("bf16"), ("1sm", 64)),  # K % 32 == 16: padded at run time
+        ((128, 128, 40), "bf16", None),  # K % 16
         ((0, 128, 128), "bf16", None),
         ((128, 128, 128), "fp16", None),
     ],
@@ -161,7 +163,8 @@ def test_select_config_table(shape, out_dtype, expected):
 
 
 def test_select_config_reasons_name_the_rule():
-    assert "K=48 is not a multiple of 32" in cutlass_gemm.select_config(128, 128, 48)[1]
+    assert "K=40 is not a multiple of 16" in cutlass_gemm.select_config(128, 128, 40)[1]
+    assert "K=48 zero-padded to a multiple of 32" in cutlass_gemm.select_config(128, 128, 48)[1]
     assert "N=100 is not a multiple of 32" in cutlass_gemm.select_config(128, 100, 64)[1]
     assert "bf16 or fp32" in cutlass_gemm.select_config(128, 128, 64, torch.float16)[1]
 
@@ -171,7 +174,7 @@ def test_select_config_accepts_torch_dtypes_and_sm_count():
     assert config.out_dtype == "fp32" and config.torch_out_dtype == torch.float32
     # With few SMs, big tiles waste nothing to wave quantization and win on operand traffic.
     small, _ = cutlass_gemm.select_config(4096, 4096, 4096, torch.bfloat16, num_sms=8)
-    assert (small.schedule, small.tile_n) == ("2sm", 256)
+    assert (small.schedule, small.tile_n) == ("2sm", 192)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,7 +230,8 @@ def test_quantized_operands_are_k_major_with_the_expected_scale_size(m, n, k):
     # The binding checks exactly these sizes (same formula in C++).
     binding = cutlass_gemm.render_binding(GemmConfig())
     assert "round_up(data.size(0), 128) * round_up(k_bytes * 2 / 16, 4)" in binding
-    assert "data.is_contiguous()" in binding and "element_size() == 1" in binding
+    assert "data.is_contiguous()" in binding and "scales.dim() == 1" in binding
+    assert "ScalarType::Float4_e2m1fn_x2" in binding and "ScalarType::Float8_e4m3fn" in binding
 
 
 def test_wgrad_operands_are_k_major_after_transpose():
@@ -331,7 +335,7 @@ def test_second_build_runs_no_compiler(fake_nvcc, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate", "edit", "delete_file", "delete_manifest", "garble_manifest"])
 def test_corrupt_entry_is_rebuilt(fake_nvcc, tmp_path, damage):
-    config = GemmConfig("2sm", 256, "fp32")
+    config = GemmConfig("2sm", 192, "fp32")
     first = cutlass_gemm.build(config, progress=False)
     manifest = first.entry_dir / build_cache.MANIFEST
     if damage == "truncate":
@@ -386,7 +390,7 @@ def test_concurrent_builds_in_two_processes_compile_once(fake_nvcc, monkeypatch,
     monkeypatch.setenv("FAKE_NVCC_SLEEP", "2")
     script = (
         "from fp4compile.codegen import cutlass_gemm as g\n"
-        "r = g.build(g.GemmConfig('1sm', 256, 'bf16'), progress=True)\n"
+        "r = g.build(g.GemmConfig('1sm', 192, 'bf16'), progress=True)\n"
         "print(r.entry_dir, r.from_cache)\n"
     )
     env = dict(os.environ, FP4COMPILE_NVCC=settings.nvcc, FP4COMPILE_CACHE_DIR=settings.cache_dir)  # the fixture's
@@ -422,6 +426,21 @@ def test_missing_compiler_raises(tmp_path):
         with pytest.raises(KernelBuildError, match="nvcc not found"):
             cutlass_gemm.build(GemmConfig(), progress=False)
         assert not cutlass_gemm.toolchain_available()[0]
+
+
+@pytest.mark.parametrize("release, arch, message", [
+    ("12.6", "sm_100a", "nvcc is CUDA 12.6, too old for sm_100a: it needs CUDA 12.8 or newer"),
+    ("12.8", "sm_103a", "nvcc is CUDA 12.8, too old for sm_103a: it needs CUDA 12.9 or newer"),
+])
+def test_a_toolkit_too_old_for_the_arch_is_refused_before_compiling(fake_nvcc, monkeypatch, release, arch, message):
+    monkeypatch.setenv("FAKE_NVCC_RELEASE", release)
+    build_cache.nvcc_version.cache_clear()
+    try:
+        with pytest.raises(KernelBuildError, match=message):
+            cutlass_gemm.build(GemmConfig(), arch=arch, progress=False)
+    finally:
+        build_cache.nvcc_version.cache_clear()
+    assert fake_nvcc() == 0
 
 
 def test_unsupported_arch_raises(fake_nvcc):
@@ -480,6 +499,76 @@ def test_cli_build_and_list(fake_nvcc, tmp_path, capsys):
     assert "1 entry" in listed and "nvfp4_gemm_2sm_256x128x256_c2x1_bf16" in listed and " ok " in listed
 
 
+def test_cli_builds_every_configuration_of_a_shape_list_once(fake_nvcc, capsys):
+    shapes = "4096x4096x4096,8192x4096x4096,?x4096x4096,16x4096x4096,128x100x64"
+    assert _cli("kernels", "build", "--shapes", shapes, "--out-dtype", "fp32", "--quiet") == 0
+    captured = capsys.readouterr()
+    chosen, rejected = cutlass_gemm.configs_for_shapes(
+        [(4096, 4096, 4096), (8192, 4096, 4096), (None, 4096, 4096), (16, 4096, 4096), (128, 100, 64)], "fp32"
+    )
+    assert len(rejected) == 1 and "no CUTLASS kernel for 128x100x64" in captured.err
+    assert fake_nvcc() == len(chosen) and len(chosen) >= 2
+    for config in chosen:
+        assert config.name in captured.out
+    assert "?x4096x4096" in captured.out
+
+
+def test_cli_builds_the_kernels_of_a_model(fake_nvcc, tmp_path, monkeypatch, capsys, fresh_dynamo):
+    (tmp_path / "aot_model.py").write_text(textwrap.dedent(
+        """\
+        import torch
+
+        def make():
+            torch.manual_seed(0)
+            blocks = [torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+                      for _ in range(6)]
+            model = torch.nn.Sequential(*blocks)
+            return model, (torch.randn(4, 24, 64),)
+        """
+    ))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _cli("kernels", "build", "--model", "aot_model:make", "--quiet") == 0
+    out = capsys.readouterr().out
+    # 4 middle blocks x 2 linears x (fprop, dgrad, wgrad); wgrad's K = 96 tokens: padded at run time.
+    shapes = re.search(r"\] nvfp4_gemm_\w+ for (.*)", out).group(1).split(", ")
+    # fprop and dgrad of the two linears ([96 tokens, 64] -> 128 -> 64), and their wgrad: K = 96 tokens.
+    assert sorted(shapes) == sorted(["96x128x64", "96x64x128", "128x64x96", "64x128x96"])
+    assert fake_nvcc() >= 1
+    assert _cli("kernels", "build", "--model", "no_such_module:make") == 2
+
+
+def test_build_matrix_records_each_configuration_and_resumes(fake_nvcc, monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "build_matrix.py"
+    spec = importlib.util.spec_from_file_location("build_matrix_under_test", path)
+    matrix = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(matrix)
+    out = tmp_path / "matrix.json"
+    names = ["nvfp4_gemm_2sm_256x192x256_c2x1_bf16", "nvfp4_gemm_1sm_128x64x256_c1x1_fp32"]
+    assert matrix.main(["--only", *names, "--arch", "sm_100a", "--arch", "sm_103a", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "[1/4] sm_100a/nvfp4_gemm_2sm_256x192x256_c2x1_bf16: ok" in printed and "[4/4] sm_103a/" in printed
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == sorted(f"{a}/{n}" for a in ("sm_100a", "sm_103a") for n in names)
+    assert all(r["status"] == "ok" and r["seconds"] is not None for r in results.values())
+    assert fake_nvcc() == 4
+    # Run again: everything is recorded, nothing compiles.
+    assert matrix.main(["--only", *names, "--arch", "sm_100a", "--arch", "sm_103a", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("recorded earlier (ok)") == 4 and fake_nvcc() == 4
+    # A toolkit too old for sm_103a: refused there before compiling, built for sm_100a.
+    monkeypatch.setenv("FAKE_NVCC_RELEASE", "12.8")
+    build_cache.nvcc_version.cache_clear()
+    try:
+        other = tmp_path / "old.json"
+        assert matrix.main(["--only", names[0], "--arch", "sm_100a", "--arch", "sm_103a", "--out", str(other)]) == 0
+    finally:
+        build_cache.nvcc_version.cache_clear()
+    results = json.loads(other.read_text())["results"]
+    assert results[f"sm_100a/{names[0]}"]["status"] == "ok"
+    assert results[f"sm_103a/{names[0]}"] == {"status": "refused", "error": cutlass_toolkit.toolkit_problem((12, 8), "sm_103a", None)}
+
+
 def test_cli_rejects_bad_shapes(fake_nvcc, capsys):
     assert _cli("kernels", "build", "--shape", "128x100x64") == 2
     assert "not a multiple of 32" in capsys.readouterr().err
@@ -536,6 +625,21 @@ def test_real_sm100a_build_uses_block_scaled_tcgen05(real_cache, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.nvcc
+def test_real_sm100a_build_of_a_2sm_configuration(real_cache):
+    """A 2-SM configuration (the schedule large GEMMs select): a pair of CTAs issues the MMA, the mainloop
+    is pipelined, and the kernel spills nothing."""
+    _toolchain_or_skip()
+    config = GemmConfig("2sm", 128, "bf16")
+    result = cutlass_gemm.build(config, arch="sm_100a", progress=True)
+    ptx = result.ptx.read_text()
+    assert re.search(r"tcgen05\.mma\.cta_group::2\.kind::mxf4nvf4\.block_scale", ptx), "no 2-SM block-scaled MMA"
+    stats = cutlass_gemm.build_stats(result)
+    assert stats["stages"] >= 3, stats
+    assert stats["spill_stores"] == 0 and stats["spill_loads"] == 0, stats
+    assert result.paths["cubin"].read_bytes()[:4] == b"\x7fELF"
+
+
+@pytest.mark.nvcc
 @pytest.mark.parametrize("m, n, k", [(1, 32, 32), (130, 64, 96), (256, 300, 512), (129, 257, 80)])
 def test_scale_layout_matches_cutlass(real_cache, monkeypatch, m, n, k):
     _toolchain_or_skip()
@@ -576,7 +680,7 @@ def test_binding_compiles_against_torch_headers(tmp_path):
     if cxx is None or not found or not (torch_include / "c10" / "cuda").exists():
         pytest.skip("needs a C++ compiler, the CUDA headers and torch's c10/cuda headers")
     source = tmp_path / "binding.cpp"
-    source.write_text(cutlass_gemm.render_binding(GemmConfig("2sm", 256, "fp32")))
+    source.write_text(cutlass_gemm.render_binding(GemmConfig("2sm", 192, "fp32")))
     from torch.utils import cpp_extension
 
     cmd = [
