@@ -16,7 +16,7 @@ import torch
 
 import fp4compile
 from fp4compile import Backend
-from fp4compile.passes.keep_routers_high import ROUTER
+from fp4compile.passes.keep_routers_high import ROUTER, SHARED_GATE
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -192,3 +192,20 @@ def test_mxfp4_keeps_grouped_sites_high_and_says_why():
     assert s.precision == "high" and "NVFP4 only" in s.reason
     assert any("experts.down_proj" in f for f in backend.report.fallbacks)
     assert fp4compile  # the package import registers the backend
+
+
+def test_shared_expert_is_linear_sites_and_its_gate_stays_high():
+    """Qwen2-MoE: routed experts (grouped), a shared expert (linears) and its one-output sigmoid gate."""
+    torch.manual_seed(0)
+    config = transformers.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+                                         num_experts=EXPERTS, **COMMON)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.set_experts_implementation("grouped_mm")
+    backend = Backend(inner="eager")
+    steps(model, [batch(32)], backend)
+    sites = {s.name: s for s in backend.report.sites}
+    assert (sites["model.layers.1.mlp.shared_expert_gate"].precision, sites["model.layers.1.mlp.shared_expert_gate"].reason) \
+        == ("high", SHARED_GATE)
+    assert sites["model.layers.1.mlp.shared_expert.up_proj"].precision == "nvfp4"
+    assert sites["model.layers.1.mlp.experts.down_proj"].precision == "nvfp4"
+    assert sites["model.layers.1.mlp.gate"].reason == ROUTER
