@@ -7,6 +7,13 @@ about FP4: the fp4compile backend finds its GEMMs from the traced graph and its 
 embeddings ``tok_emb`` and ``pos_emb`` are lookups, not GEMMs.
 
 All GEMM dimensions of the presets are multiples of 16, as NVFP4 blocks and 16x16 weight tiles need.
+
+With ``n_experts`` > 0 (preset "tiny-moe") each block's MLP is a mixture of experts: a linear router
+picks ``top_k`` experts per token, whose weights are two 3-D parameters (``fc`` [E, hidden, d],
+``proj`` [E, d, hidden]) computed as grouped GEMMs on the tokens sorted by expert
+(``torch._grouped_mm``, in BF16 as it requires). The backend makes each of them one grouped NVFP4 site
+with per-expert scales and keeps the router in high precision. Each expert's hidden size is
+``mlp_ratio * d_model / top_k``, so a token costs the dense MLP's FLOPs. No load-balancing loss.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class GPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     tie_embeddings: bool = False
+    n_experts: int = 0  # > 0: a mixture-of-experts MLP in every block
+    top_k: int = 2
 
     def __post_init__(self):
         if self.d_model % self.n_head:
@@ -46,6 +55,8 @@ PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(n_layer=8, n_head=8, d_model=512, seq_len=512),
     # One GPU, GPT-2-small shape (~86M parameters).
     "medium": GPTConfig(n_layer=12, n_head=12, d_model=768, seq_len=1024),
+    # CPU: "tiny" with 8 experts per block, 2 per token (the same FLOPs per token, ~2.4M parameters).
+    "tiny-moe": GPTConfig(n_layer=4, n_head=4, d_model=128, seq_len=128, n_experts=8, top_k=2),
 }
 
 
@@ -78,13 +89,46 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
+def _grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [S, in] sorted by expert times each expert's w [E, out, in] transposed, in BF16."""
+    return torch._grouped_mm(x.bfloat16(), w.bfloat16().transpose(-2, -1), offs=offs)
+
+
+class MoEMLP(nn.Module):
+    """Top-k routed experts: router logits -> softmax -> top-k (weights renormalised), tokens sorted by
+    expert, two grouped GEMMs with a GELU between, outputs weighted and summed back per token."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        d, e = config.d_model, config.n_experts
+        hidden = config.mlp_ratio * d // config.top_k
+        self.top_k = config.top_k
+        self.router = nn.Linear(d, e, bias=False)
+        self.fc = nn.Parameter(torch.randn(e, hidden, d) * 0.02)
+        self.proj = nn.Parameter(torch.randn(e, d, hidden) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, x = x.shape, x.reshape(-1, x.shape[-1])
+        weight, chosen = self.router(x).float().softmax(-1).topk(self.top_k, dim=-1)
+        weight = weight / weight.sum(-1, keepdim=True)
+        experts = chosen.reshape(-1)
+        order = torch.argsort(experts, stable=True)
+        counts = torch.zeros(self.fc.shape[0], dtype=torch.int64, device=x.device).index_add_(
+            0, experts, torch.ones_like(experts))
+        offs = counts.cumsum(0).to(torch.int32)
+        h = F.gelu(_grouped(x[order // self.top_k], self.fc, offs), approximate="tanh")
+        y = _grouped(h, self.proj, offs).float() * weight.reshape(-1)[order, None]
+        out = torch.zeros_like(x, dtype=torch.float32).index_add(0, order // self.top_k, y)
+        return out.to(x.dtype).reshape(shape)
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.d_model)
-        self.mlp = MLP(config)
+        self.mlp = MoEMLP(config) if config.n_experts else MLP(config)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +153,8 @@ class GPT(nn.Module):
         residual_std = 0.02 / math.sqrt(2 * config.n_layer)
         for block in self.blocks:
             nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.proj.weight, mean=0.0, std=residual_std)
+            proj = block.mlp.proj
+            nn.init.normal_(proj if isinstance(proj, nn.Parameter) else proj.weight, mean=0.0, std=residual_std)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -7,6 +7,7 @@ cores; the same script runs the GPU study with ``--preset small|medium``. Exampl
     python examples/train_gpt.py --precision nvfp4 --out runs/nvfp4.json
     python examples/train_gpt.py --precision nvfp4 --no-rht --out runs/nvfp4-no-rht.json
     python examples/train_gpt.py --preset small --steps 3000 --precision nvfp4 --bf16-switch-at 2700
+    python examples/train_gpt.py --preset tiny-moe --precision nvfp4          # mixture of experts
     python examples/plot_runs.py runs/*.json --out-dir runs/plots
 
 ``--precision bf16`` means "no FP4": the model is compiled with plain ``torch.compile`` and its math
@@ -46,7 +47,7 @@ from corpus import SOURCES, batches, fixed_batches, load_corpus  # noqa: E402
 from gpt import GPT, PRESETS  # noqa: E402
 
 # Peak learning rates that train well at the presets' default batch sizes.
-DEFAULT_LR = {"tiny": 2e-3, "small": 1e-3, "medium": 6e-4}
+DEFAULT_LR = {"tiny": 2e-3, "small": 1e-3, "medium": 6e-4, "tiny-moe": 2e-3}
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -96,7 +97,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
     g = p.add_argument_group("model and data")
     g.add_argument("--preset", choices=list(PRESETS), default="tiny",
-                   help="tiny ~0.9M params (CPU), small ~26M, medium ~86M (GPU)")
+                   help="tiny ~0.9M params (CPU), small ~26M, medium ~86M (GPU); tiny-moe: tiny with 8 experts per block")
     g.add_argument("--seq-len", type=int, default=None, help="default: the preset's seq_len")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")

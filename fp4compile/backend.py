@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.fx as fx
 
-from fp4compile import config, grad_buffers, runtime
+from fp4compile import config, grad_buffers, hf_experts, runtime
 from fp4compile.ranges import ActivationRanges
 from fp4compile.passes import pipeline
 from fp4compile.model_structure import ModelStructure, find_root
@@ -99,6 +99,7 @@ class Backend:
             )
         recipe = recipe or Recipe()
         recipe = recipe.replace(**recipe_fields) if recipe_fields else recipe
+        hf_experts.install()  # Hugging Face experts written as an eager loop: traced in grouped form
         if config.check_finite:
             recipe = recipe.replace(check_finite=True)
         self.recipe = recipe
@@ -256,6 +257,7 @@ class Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs, mode: Optional[str] = None, options: Optional[dict] = None):
         if mode is not None or options:  # torch.compile(model, backend=Backend(...), mode=..., options=...)
             self.configure(mode, options)
+        hf_experts.install()  # from the next trace on, where transformers was imported after the backend was made
         check_gemm_dtypes(gm)
         original = clone_dynamo_module(gm)
         scope = _ModelScope.find(gm, example_inputs, self)

@@ -61,7 +61,9 @@ class ExportSite:
 
 def export_sites(backend) -> list[ExportSite]:
     """The FP4 weight sites of ``backend``'s plan (products of two activations have no weight to
-    export), in plan order; a weight that several GEMMs read (``name#2``) once."""
+    export), in plan order; a weight that several GEMMs read (``name#2``) once. Grouped MoE expert
+    weights (3-D, ``experts``) are left out: they are written in high precision, as stored (no
+    compressed-tensors layout for stacked experts is written yet)."""
     if backend is None or not hasattr(backend, "report"):
         raise TypeError(
             "export needs the fp4compile.Backend the model was trained with (backend=...): its plan says which "
@@ -83,7 +85,7 @@ def export_sites(backend) -> list[ExportSite]:
         )
     sites: dict[str, ExportSite] = {}
     for view in views:
-        if view.precision == "high" or view.kind == "activation_matmul":
+        if view.precision == "high" or view.kind == "activation_matmul" or view.experts is not None:
             continue
         name = view.name.split("#", 1)[0]
         sites.setdefault(name, ExportSite(name, name + ".weight", view.kind in ("addmm", "matmul")))

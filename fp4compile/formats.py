@@ -318,6 +318,19 @@ def gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
     return global_decode_scale(amax_a) * global_decode_scale(amax_b)
 
 
+def nvfp4_encode(xf, bamax, g_amax, cols: int, rounding: str, rand_bits=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed E2M1 codes, E4M3 block scales) of fp32 ``xf`` with block amaxes ``bamax`` [..., K/cols]
+    and the global amax ``g_amax``: a scalar, or one value per block broadcast against ``bamax`` (the
+    grouped quantization of MoE experts, one global amax per expert). The NUMERICS formulas."""
+    s_enc = global_encode_scale(g_amax)
+    s_dec = 1.0 / s_enc
+    sf32 = bamax * (s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32))
+    sf = torch.clamp(sf32, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    enc = torch.clamp(1.0 / (sf.float() * s_dec), max=FLT_MAX)
+    v = _per_block(xf, cols, torch.mul, enc)
+    return pack_e2m1(encode_e2m1(v, rounding, rand_bits)), sf
+
+
 def quantize(
     x: torch.Tensor,
     fmt: str = "nvfp4",
@@ -351,14 +364,8 @@ def quantize(
         if amax is not None:
             # A finite override must not hide NaN/Inf in x: a non-finite amax of x wins over it.
             g_amax = torch.where(torch.isfinite(g_amax), amax.detach().float().reshape(()), g_amax)
-        s_enc = global_encode_scale(g_amax)
-        s_dec = 1.0 / s_enc
-        sf32 = bamax * (s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32))
-        sf = torch.clamp(sf32, max=E4M3_MAX).to(torch.float8_e4m3fn)
-        enc = torch.clamp(1.0 / (sf.float() * s_dec), max=FLT_MAX)
-        v = _per_block(xf, cols, torch.mul, enc)
-        codes = encode_e2m1(v, rounding, rand_bits)
-        return QTensor(pack_e2m1(codes), sf, g_amax.reshape(()).clone(), fmt, block, x.shape, x.dtype)
+        codes, sf = nvfp4_encode(xf, bamax, g_amax, cols, rounding, rand_bits)
+        return QTensor(codes, sf, g_amax.reshape(()).clone(), fmt, block, x.shape, x.dtype)
     # MXFP4: scale = 2**(floor(log2(bamax)) - 2), an E8M0 power of two clamped to [2**-127, 2**127].
     _, e = torch.frexp(bamax)
     exp = torch.where(bamax > 0, e.to(torch.int32) - 1 - 2, torch.full_like(e, -127, dtype=torch.int32))

@@ -35,7 +35,8 @@ class ModelStructure:
 
     ``names[id(p)]`` lists every qualified name of parameter ``p`` (a tied weight has several, in
     registration order); ``classes`` maps module paths to class names; ``gemm_weights`` lists the site
-    names of the 2-D parameters of the model's modules outside embedding tables, the GEMM weights
+    names of the 2-D parameters of the model's modules outside embedding tables and of the 3-D weights of
+    stacked MoE experts, the GEMM weights
     ``find_blocks`` groups into blocks whether or not the graph at hand computes them.
     """
 
@@ -62,7 +63,9 @@ class ModelStructure:
                 self.names.setdefault(id(p), []).append(full)
                 # The root's own 2-D parameters are left to the graphs that use them (a position table
                 # is no GEMM weight; a GEMM on one is a site of the graph either way).
-                if p.dim() == 2 and path and not isinstance(module, _LOOKUP_MODULES):
+                # 3-D: the stacked weights of MoE experts ([experts, out, in]), but not a convolution's.
+                if path and (p.dim() == 2 and not isinstance(module, _LOOKUP_MODULES)
+                             or p.dim() == 3 and not isinstance(module, torch.nn.modules.conv._ConvNd)):
                     self.gemm_weights.append(site_name(full))
         self.gemm_weights = list(dict.fromkeys(self.gemm_weights))
 

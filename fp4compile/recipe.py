@@ -13,7 +13,7 @@ FORMATS = ("nvfp4", "mxfp4")
 HIGH = "high"
 _BOOL_FIELDS = ("rht", "stochastic_rounding", "weight_2d", "quantize_backward", "check_finite",
                 "high_precision_outside_blocks", "include_activation_matmuls", "decoded_operands", "share_weight",
-                "allow_emulation")
+                "allow_emulation", "high_precision_routers")
 _INT_FIELDS = ("rht_size", "seed", "switch_to_high_precision_at", "amax_history")
 _OPTIONAL_FIELDS = ("decoded_operands", "seed", "switch_to_high_precision_at")  # None is allowed
 
@@ -50,6 +50,8 @@ class Recipe:
         default): on where Inductor records the steps in CUDA graphs (the backend's
         ``mode="reduce-overhead"`` or ``"max-autotune"``, or Inductor's global setting), where it
         measured faster, off otherwise (docs/emulation.md).
+    high_precision_routers: keep mixture-of-experts routers (a GEMM whose output feeds a top-k) and
+        shared-expert gates (one output through a sigmoid) in high precision (pass ``keep_routers_high``).
     share_weight: with NVFP4 16x16 weights and FP4 backward GEMMs, quantize each weight once per step:
         the forward's quantization serves fprop and, transposed in packed form
         (``fp4.transpose_quantized``), dgrad, and the backward keeps the packed weight (0.56 bytes per
@@ -83,6 +85,7 @@ class Recipe:
     share_weight: bool = True
     amax_history: int = 16
     allow_emulation: bool = False
+    high_precision_routers: bool = True
 
     def __post_init__(self):
         # Every field is checked here, so that a wrong value (a string "false", which is truthy) fails

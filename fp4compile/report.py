@@ -44,6 +44,8 @@ class SiteView:
     shapes: dict  # role -> (M, N, K)
     roles: dict  # role -> RoleInfo
     graph_id: int
+    experts: Optional[int] = None  # a grouped site (MoE experts with one 3-D weight): E
+    form: str = ""  # a grouped site's form as the model wrote it (grouped_mm, batched_mm, eager loop)
 
     @property
     def kernel(self) -> Optional[str]:
@@ -60,6 +62,7 @@ def _view(site: GemmSite) -> SiteView:
     return SiteView(
         site.name, site.block, site.kind, site.precision, site.reason,
         {role: info.shape for role, info in site.roles.items()}, dict(site.roles), site.graph_id,
+        site.experts, site.form,
     )
 
 
@@ -178,7 +181,8 @@ class Report:
             shape_text = " x ".join(str(d) for d in shape) if shape else "-"
             block = "-" if s.block is None else str(s.block)
             cells = [_role_cell(s.roles.get(role)) for role in ROLES]
-            rows.append((s.name, block, shape_text, *cells, s.kernel or "-", s.reason))
+            name = s.name if s.experts is None else f"{s.name} [{s.experts} experts, {s.form}]"
+            rows.append((name, block, shape_text, *cells, s.kernel or "-", s.reason))
         lines = _columns(rows)
         lines += [f"fallback: {f}" for f in self.fallbacks]
         lines += [f"warning: {w}" for w in self.warnings]

@@ -108,7 +108,7 @@ class GemmSite:
 
     index: int
     name: str
-    kind: str  # "linear" or "matmul"
+    kind: str  # "linear", "matmul", "addmm", "activation_matmul", or "grouped_mm"/"batched_mm" (grouped)
     module_type: str
     in_features: int
     out_features: int
@@ -119,6 +119,10 @@ class GemmSite:
     # The node of the graph's top level that computes it: a checkpointed region's node for a site inside
     # that region (``node_name`` is then a node of the region's graph), None for a site at the top level.
     region: Optional[str] = None
+    # A grouped site (MoE experts with one 3-D weight [E, N, K]): the number of experts E, and the form the
+    # model computes it in ("grouped_mm", "batched_mm", Hugging Face's eager loop); None and "" otherwise.
+    experts: Optional[int] = None
+    form: str = ""
     block: Optional[int] = None
     block_name: Optional[str] = None
     precision: str = HIGH

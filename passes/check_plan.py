@@ -9,7 +9,8 @@ once per key (``fp4compile.PlanWarning``) and the report lists the lines. The pr
 - no repeated blocks in a model whose GEMMs are all kept in high precision for being outside the
   blocks (a block compiled on its own, with no model to place it in);
 - a model whose every block is one of the recipe's first or last high-precision blocks;
-- GEMM sites in the middle blocks, none of which runs in a low-precision format.
+- GEMM sites in the middle blocks, none of which runs in a low-precision format (routers and
+  shared-expert gates, high by policy, aside).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.fx as fx
 from fp4compile.sites import CompileContext
 
 from .assign_precision import OUTSIDE_BLOCKS, SWITCHED
+from .keep_routers_high import ROUTER, SHARED_GATE
 
 
 def check_plan(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
@@ -51,7 +53,9 @@ def check_plan(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             "and high_precision_last_blocks to change this)"
         )))
         return gm
-    middle = [s for s in sites if s.block is not None and first <= s.block < ctx.n_blocks - last]
+    # Routers and shared-expert gates are high by the recipe's policy (a graph may hold nothing else).
+    middle = [s for s in sites if s.block is not None and first <= s.block < ctx.n_blocks - last
+              and s.reason not in (ROUTER, SHARED_GATE)]
     switched = all(s.reason == SWITCHED for s in middle)
     if middle and not any(s.is_low_precision for s in sites) and not switched:
         reasons = ", ".join(dict.fromkeys(s.reason for s in middle))

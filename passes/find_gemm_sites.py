@@ -35,9 +35,12 @@ B [..., K, N] of the same rank (2-D to 4-D) and the same leading dims is a site 
 and output projections are listed in ``ctx.other_gemms`` with their FLOPs (high precision, counted in
 the report's FLOP shares) and the call in ``ctx.opaque``.
 
+Mixture-of-experts projections whose weight is one 3-D parameter [E, N, K] are grouped sites
+(``grouped_mm``, ``batched_mm``: see ``grouped_sites``), with ``site.experts`` = E.
+
 Otherwise, products without a parameter operand (attention scores and values, SDPA, SSM scans written with
-``einsum``/``bmm``) and batched parameters (``bmm``/``baddbmm``/grouped GEMMs with a 3-D weight, such as
-stacked MoE experts) are not sites: they run in high precision, as the model wrote them. They are listed in
+``einsum``/``bmm``) and other batched parameters (``baddbmm``, a grouped GEMM with a bias) are not sites:
+they run in high precision, as the model wrote them. They are listed in
 ``ctx.other_gemms`` (``OtherGemm``: op, module path, operand shapes, why not a site) for reports.
 """
 
@@ -54,6 +57,8 @@ import torch.fx as fx
 
 from fp4compile.model_structure import site_name
 from fp4compile.sites import CompileContext, GemmSite, RoleInfo, example_tensor
+
+from . import grouped_sites
 
 LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 MATMUL_TARGETS = (operator.matmul, torch.matmul, torch.mm)
@@ -467,6 +472,29 @@ _MHA_PARAMETERS = (
 )
 
 
+def _add_grouped_site(node: fx.Node, ctx: CompileContext, stack, hit: dict, region=None) -> None:
+    """A grouped (MoE experts) site from ``grouped_sites.match``'s ``hit``."""
+    module, module_type = stack[-1] if stack else ("", "Experts")
+    site = GemmSite(
+        index=len(ctx.sites),
+        name=_unique(ctx, site_name(hit["name"])),
+        kind=hit["form"],
+        module_type=module_type,
+        in_features=int(hit["k"]),
+        out_features=int(hit["n"]),
+        input_shape=tuple(d if isinstance(d, int) else str(d) for d in hit["input_shape"]),
+        has_bias=False,
+        node_name=node.name,
+        graph_id=ctx.graph_id,
+        region=region,
+        experts=int(hit["experts"]),
+        form=grouped_sites.form_seen(ctx.model, module, hit["form"]),
+    )
+    _expected_roles(site, None)
+    node.meta["fp4_site"] = site.index
+    ctx.sites.append(site)
+
+
 def _unique(ctx: CompileContext, name: str) -> str:
     """``name``, or ``name#k`` for the k-th GEMM of the graph that uses this weight."""
     taken = {s.name for s in ctx.sites}
@@ -494,6 +522,10 @@ def _scan(scan: _Scan) -> None:
             ctx.other_gemms.extend(_multihead_attention(node, scan, stack))
             ctx.opaque.append((node.name, "nn.MultiheadAttention (F.multi_head_attention_forward)",
                                stack[-1][0] if stack else ""))
+            continue
+        hit = grouped_sites.match(node, scan)
+        if hit is not None:
+            _add_grouped_site(node, ctx, stack, hit, scan.region)
             continue
         match = _site_operands(node, scan)
         if match is None and ctx.recipe.include_activation_matmuls:

@@ -11,6 +11,8 @@ Sites whose in/out features are not multiples of the block size, or whose operan
 as they are, set to "high" with the reason recorded. High-precision sites are not touched: they compute
 exactly what the model wrote. A site set to a format other than the recipe's is refused with a
 ValueError naming it (quantizers and kernels follow the recipe's format).
+A grouped site (MoE experts, ``site.experts``) becomes ``fp4compile.grouped``'s NVFP4 grouped GEMM
+(``grouped_sites.mark``), which plans its three roles itself; under MXFP4 it stays high, with the reason.
 An ``activation_matmul`` site ``A @ B`` (two activations, ``Recipe(include_activation_matmuls=True)``)
 becomes ``fp4.matmul(A, B, site)`` (in_features = K, out_features = N must fit the blocks).
 With ``Recipe(share_weight=True)`` (the default), NVFP4 16x16 weights and FP4 backward GEMMs, a linear
@@ -39,7 +41,7 @@ from fp4compile import distributed, ops
 from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext, example_tensor
 
-from . import fuse_amax
+from . import fuse_amax, grouped_sites
 from .find_gemm_sites import regions
 from .insert_quantize import operand_seed_and_label
 
@@ -152,12 +154,16 @@ def _mark(gm: fx.GraphModule, ctx: CompileContext, histories: _Histories) -> int
             reason = "float64 operands: FP4 GEMMs take float32, bfloat16 or float16"
         elif bad:
             reason = f"{', '.join(bad)} not a multiple of the {site.precision} block size {bs}"
+        elif site.experts is not None and site.precision != "nvfp4":
+            reason = f"grouped expert GEMMs run in NVFP4 only, not {site.precision}"
         if reason is not None:
             ctx.fallback(site, "all GEMMs", reason)
             site.set_precision(HIGH, reason)
             continue
         with gm.graph.inserting_before(node):
-            if site.kind == "activation_matmul":
+            if site.experts is not None:
+                new = grouped_sites.mark(gm, node, site, ctx.recipe)
+            elif site.kind == "activation_matmul":
                 new = gm.graph.call_function(ops.matmul, (node.args[0], node.args[1], index))
             else:
                 if site.kind == "linear":

@@ -4,7 +4,8 @@ Dynamo-level passes run on the torch-level FX graph dynamo captures; user precis
 after ``assign_precision``; aot-level passes run on the forward and on the backward graph that
 aot_autograd traces from the marked graph (they see the three role-tagged GEMMs of every FP4 linear).
 
-    find_gemm_sites -> find_blocks -> assign_precision -> [user passes] -> check_plan -> mark_fp4_linear
+    find_gemm_sites -> find_blocks -> assign_precision -> keep_routers_high -> [user passes] -> check_plan
+    -> mark_fp4_linear
     ──aot_autograd──▶ plan_gemm_roles -> insert_rht -> insert_quantize -> lower_scaled_mm
                       -> fuse_rht_quantize -> decode_for_emulation -> fuse_amax -> record_ranges
                       -> lower_kernels
@@ -33,6 +34,7 @@ from .fuse_amax import fuse_amax
 from .fuse_rht_quantize import fuse_rht_quantize
 from .insert_quantize import insert_quantize
 from .insert_rht import insert_rht
+from .keep_routers_high import keep_routers_high
 from .lower_kernels import lower_kernels
 from .lower_scaled_mm import lower_scaled_mm
 from .mark_fp4_linear import mark_fp4_linear
@@ -41,9 +43,11 @@ from .record_ranges import record_ranges
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 
-DYNAMO_PASSES: list[Pass] = [find_gemm_sites, find_blocks, assign_precision, check_plan, mark_fp4_linear]
-# User precision passes are inserted at this index of DYNAMO_PASSES (after assign_precision).
-USER_PASS_INDEX = DYNAMO_PASSES.index(assign_precision) + 1
+DYNAMO_PASSES: list[Pass] = [
+    find_gemm_sites, find_blocks, assign_precision, keep_routers_high, check_plan, mark_fp4_linear,
+]
+# User precision passes are inserted at this index of DYNAMO_PASSES (after keep_routers_high).
+USER_PASS_INDEX = DYNAMO_PASSES.index(keep_routers_high) + 1
 AOT_PASSES: list[Pass] = [
     plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize, decode_for_emulation, fuse_amax,
     record_ranges, lower_kernels,

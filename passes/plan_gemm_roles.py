@@ -138,10 +138,11 @@ def plan_gemm_roles(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         node.meta["fp4_role"] = info
         planned += 1
     if _is_backward(gm):
-        # Only FP4-marked sites have fp4.gemm nodes; high-precision ones keep the roles they expect.
+        # Only FP4-marked sites have fp4.gemm nodes; high-precision ones keep the roles they expect, and
+        # grouped sites the roles ``grouped_sites`` planned (``fp4.grouped_gemm`` computes them).
         for index, site in enumerate(ctx.sites):
             for role in ("dgrad", "wgrad"):
-                if site.is_low_precision and (index, role) not in seen:
+                if site.is_low_precision and site.experts is None and (index, role) not in seen:
                     site.roles.pop(role, None)
     ctx.note(f"graph {ctx.graph_id}: planned {planned} role-tagged GEMMs, padded the tokens of {padded} wgrad GEMMs")
     return gm

@@ -127,6 +127,7 @@ def test_the_string_form_rejects_what_the_instance_form_rejects():
         ("decoded_operands", "auto"),
         ("share_weight", "true"),
         ("allow_emulation", 1),
+        ("high_precision_routers", "yes"),
     ],
 )
 def test_every_recipe_field_is_checked_at_construction(field, value):

@@ -171,15 +171,34 @@ def test_batches_are_deterministic_for_a_seed():
 
 
 @pytest.mark.parametrize("preset, low, high", [
-    ("tiny", 0.5e6, 1.5e6), ("small", 20e6, 30e6), ("medium", 85e6, 125e6)])
+    ("tiny", 0.5e6, 1.5e6), ("small", 20e6, 30e6), ("medium", 85e6, 125e6), ("tiny-moe", 2e6, 3e6)])
 def test_preset_sizes(preset, low, high):
     with torch.device("meta"):
         model = gpt.GPT(gpt.PRESETS[preset])
     assert low <= model.num_params() <= high
     # NVFP4 needs 16-element blocks along the reduction dim and 16x16 weight tiles.
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+    # (MoE routers have one output per expert and stay in high precision.)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith(".router"):
             assert module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def test_moe_gpt_experts_are_grouped_fp4_sites_and_routers_high():
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = gpt.GPT(dataclasses.replace(gpt.PRESETS["tiny-moe"], seq_len=32))
+    backend = fp4compile.Backend(inner="eager")
+    idx = torch.randint(0, 256, (2, 32))
+    _, loss = torch.compile(model, backend=backend)(idx, idx)
+    loss.backward()
+    sites = {s.name: s for s in backend.report.sites}
+    for b in (1, 2):
+        for proj, (n, k) in (("fc", (256, 128)), ("proj", (128, 256))):
+            s = sites[f"blocks.{b}.mlp.{proj}"]
+            assert (s.experts, s.kind, s.precision) == (8, "grouped_mm", "nvfp4")
+            assert s.shapes["fprop"] == (2 * 64, n, k)  # 64 tokens, each routed to 2 experts
+        assert sites[f"blocks.{b}.mlp.router"].precision == "high"
+    assert torch.isfinite(model.blocks[1].mlp.fc.grad).all()
 
 
 def test_gpt_forward_and_names():

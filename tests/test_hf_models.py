@@ -15,6 +15,7 @@ import torch
 
 import fp4compile
 from fp4compile import Backend
+from fp4compile.passes.keep_routers_high import ROUTER
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -44,7 +45,7 @@ def train(model, steps=3, lr=3e-3):
 
 
 def check_recipe_plan(backend, layers: str, n: int):
-    """One block per layer, in order; lm_head and the first/last blocks high, the rest NVFP4."""
+    """One block per layer, in order; lm_head, the first/last blocks and MoE routers high, the rest NVFP4."""
     (ctx,) = [c for c in backend.report.contexts if c.sites]  # the graph that holds the GEMMs
     assert ctx.n_blocks == n
     assert ctx.block_names == [f"{layers}.{i}" for i in range(n)]
@@ -55,6 +56,8 @@ def check_recipe_plan(backend, layers: str, n: int):
             assert s.block is None and s.precision == "high" and "high_precision_modules" in s.reason
         elif s.block in high_blocks:
             assert s.precision == "high" and ("first" in s.reason or "last" in s.reason), s
+        elif s.reason == ROUTER:
+            assert s.precision == "high" and s.module_type.endswith("Router"), s
         else:
             assert s.block is not None and s.precision == "nvfp4", s
             assert s.roles["fprop"].precision == s.roles["dgrad"].precision == s.roles["wgrad"].precision == "nvfp4"
@@ -112,12 +115,16 @@ def test_nemotron_h_hybrid_mamba_attention_moe():
     assert (in_proj.precision, in_proj.out_features) == ("nvfp4", 352)
     assert sites["model.layers.4.mixer.out_proj"].precision == "nvfp4"
     assert sites["model.layers.2.mixer.q_proj"].precision == "nvfp4"
-    assert sites["model.layers.3.mixer.gate"].precision == "nvfp4"  # the MoE router
-    # The chunked scan (einsum), attention (SDPA) and stacked experts (3-D weights) are not sites.
+    router = sites["model.layers.3.mixer.gate"]
+    assert (router.precision, router.reason) == ("high", ROUTER)
+    # Stacked experts (3-D weights) are grouped NVFP4 sites; the shared expert's projections are linears.
+    experts = sites["model.layers.3.mixer.experts.up_proj"]
+    assert (experts.precision, experts.experts) == ("nvfp4", 16)
+    assert sites["model.layers.3.mixer.shared_experts.up_proj"].precision == "nvfp4"
+    # The chunked scan (einsum) and attention (SDPA) are not sites.
     (ctx,) = [c for c in backend.report.contexts if c.sites]
     ops = {(o.op, o.module.rsplit(".", 1)[-1]) for o in ctx.other_gemms}
-    assert {("einsum", "mixer"), ("scaled_dot_product_attention", "mixer"), ("grouped_mm", "experts")} <= ops
-    assert not any("experts." in name and "shared" not in name for name in sites)
+    assert {("einsum", "mixer"), ("scaled_dot_product_attention", "mixer")} <= ops
 
 
 def test_bamba_mamba_and_attention_layers_with_feed_forward():
