@@ -18,7 +18,7 @@ import fp4compile
 from fp4compile import Backend
 from fp4compile.passes.keep_routers_high import ROUTER, SHARED_GATE
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]  # whole Hugging Face MoE models
 
 transformers = pytest.importorskip("transformers")
 
