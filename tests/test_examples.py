@@ -183,9 +183,19 @@ def test_preset_sizes(preset, low, high):
             assert module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def test_moe_gpt_experts_are_grouped_fp4_sites_and_routers_high():
-    torch.manual_seed(0)
+@pytest.fixture
+def isolated_state():
+    """The SR stream, torch's RNG and dynamo's cache as they were before the test."""
+    sr, rng = fp4compile.get_rng_state(), torch.get_rng_state()
     torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    fp4compile.set_rng_state(sr)
+    torch.set_rng_state(rng)
+
+
+def test_moe_gpt_experts_are_grouped_fp4_sites_and_routers_high(isolated_state):
+    torch.manual_seed(0)
     model = gpt.GPT(dataclasses.replace(gpt.PRESETS["tiny-moe"], seq_len=32))
     backend = fp4compile.Backend(inner="eager")
     idx = torch.randint(0, 256, (2, 32))
