@@ -24,6 +24,7 @@ codes add nothing to any product, and the tiled layout already holds the extra s
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import warnings
@@ -69,6 +70,7 @@ def kernel_name(config: GemmConfig, allow_emulation: bool) -> str:
     return PREFIX + config.name + (EMULATION_SUFFIX if allow_emulation else "")
 
 
+@functools.lru_cache(maxsize=None)
 def parse_kernel(kernel: str) -> tuple[GemmConfig, bool]:
     """(configuration, whether emulation is allowed) of a ``kernel_name`` string."""
     if not kernel.startswith(PREFIX):
@@ -237,6 +239,9 @@ def kernel_for(config: GemmConfig, device, allow_emulation: bool) -> Optional[Ca
     and emulation is not allowed."""
     device = torch.device(device)
     key = (config, device)
+    kernel = _kernels.get(key)  # the common case, once the first use succeeded: no lock
+    if kernel is not None:
+        return kernel
     with _lock:
         if key not in _kernels and key not in _failed:
             _first_use(config, device)

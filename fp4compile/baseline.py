@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.fx as fx
 
 from fp4compile import grad_buffers

@@ -146,7 +146,7 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inductor = getattr(ctx, "inner", None) == "inductor"
     bases: dict = {}
     changed = False
-    stage = "backward" if any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes) else "forward"
+    stage = ctx.stage
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in KERNEL_OPS:
             continue

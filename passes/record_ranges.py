@@ -48,7 +48,5 @@ def record_ranges(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         node.meta["val"] = None
         recorded += 1
     if recorded:
-        gm.graph.lint()
-        gm.recompile()
         ctx.note(f"graph {ctx.graph_id}: {recorded} activation amaxes recorded into their histories")
     return gm

@@ -67,16 +67,9 @@ def _capability(index: int) -> tuple[int, int]:
 def _launch(kernel, grid, *args, **kwargs) -> None:
     """Launch ``kernel`` over ``grid``. Through ``torch.library.wrap_triton``: run eagerly it launches at
     once; traced (the fp4 ops' decomposition for Inductor) it becomes a node of the graph, which Inductor
-    compiles, caches and launches from its generated code. The interpreter's kernels are launched as
-    they are (they are not traceable)."""
-    if _interpreted(kernel):
-        kernel[grid](*args, **kwargs)
-    else:
-        wrap_triton(kernel)[grid](*args, **kwargs)
-
-
-def _interpreted(kernel) -> bool:
-    return triton is not None and type(kernel).__name__ == "InterpretedFunction"
+    compiles, caches and launches from its generated code. (``wrap_triton`` hands the interpreter's
+    kernels back as they are: they launch, and are not traceable.)"""
+    wrap_triton(kernel)[grid](*args, **kwargs)
 
 
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
