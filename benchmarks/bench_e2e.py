@@ -240,7 +240,7 @@ def main():
     p.add_argument("--cold-starts", type=int, default=1, help="starts per variant for the first-call figure (median)")
     p.add_argument("--generic", choices=("on", "off"), default="on",
                    help="on: every arm gets fp4compile's generic compile settings (unused-gradient buffers under "
-                        "CUDA graphs, the relaxed garbage collector while compiling); off: none does")
+                        "CUDA graphs); off: none does")
     p.add_argument("--first-step-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.variant:

@@ -26,6 +26,9 @@ print_ir_after: str = ""
 emulated_gemm: str = "auto"
 """The GEMM the emulation runs on CUDA: "auto" (cuBLASLt where it can run), "cublaslt" (required), "torch"."""
 
+in_graph_kernels: bool = True
+"""Under Inductor on CUDA, the fp4 ops' Triton kernels go into Inductor's generated code (the
+``lower_kernels`` pass); off: each op runs as one opaque call that launches its kernels itself."""
 
 
 
@@ -88,6 +91,7 @@ SETTINGS: dict[str, Setting] = {
     "check_finite": Setting("FP4COMPILE_CHECK_FINITE", _Flag()),
     "print_ir_after": Setting("FP4COMPILE_PRINT_IR_AFTER", _Text()),
     "emulated_gemm": Setting("FP4COMPILE_EMULATED_GEMM", _Choice(("auto", "cublaslt", "torch"), "auto, cublaslt or torch")),
+    "in_graph_kernels": Setting("FP4COMPILE_IN_GRAPH_KERNELS", _Flag()),
     "cache_dir": Setting("FP4COMPILE_CACHE_DIR", _Text()),
     "nvcc": Setting("FP4COMPILE_NVCC", _Text()),
 }

@@ -25,6 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from fp4compile import config
 from fp4compile.sites import CompileContext
 
 KERNEL_OPS = {
@@ -62,6 +63,8 @@ def _why_not(node: fx.Node, args: dict) -> str:
     from fp4compile.codegen import triton_kernels
 
     x = _value(next(iter(args.values())))
+    if not config.in_graph_kernels:
+        return "in-graph kernels are off (fp4compile.config.in_graph_kernels)"
     if not isinstance(x, torch.Tensor):
         return "no fake value for its input"
     if x.device.type != "cuda":
@@ -83,6 +86,7 @@ def _trace(target, args: dict) -> tuple[fx.GraphModule, list]:
     """The op's implementation traced functionally on the nodes' fake values: a graph whose inputs are
     the op's tensor arguments (in ``args`` order)."""
     from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.functional_tensor import dispatch_functionalize
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -97,7 +101,10 @@ def _trace(target, args: dict) -> tuple[fx.GraphModule, list]:
     values = [_value(args[k]) for k in names]
     fake_mode = detect_fake_mode(values)
     with ops.tracing_kernels(), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
-        traced = make_fx(dispatch_functionalize(call), tracing_mode="real")(*values)
+        # With Inductor's decompositions, as AOTAutograd traces for it: Inductor lowers only what they leave
+        # (e.g. ``aten.zeros`` for a kernel's output buffer becomes ``aten.full``).
+        traced = make_fx(dispatch_functionalize(call), decomposition_table=select_decomp_table(),
+                         tracing_mode="real")(*values)
     return traced, [args[k] for k in names]
 
 

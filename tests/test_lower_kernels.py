@@ -38,6 +38,12 @@ _SIMULATED = textwrap.dedent("""
     torch.cuda.get_device_capability = lambda *a: (9, 0)
     torch.cuda.get_device_name = lambda *a: "simulated sm_90"
     torch.cuda.current_device = lambda: 0
+    import types, triton
+    from triton.backends.compiler import GPUTarget
+    triton.runtime.driver.set_active(types.SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32)))
+    from torch._higher_order_ops.triton_kernel_wrap import get_mutated_tensors
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import lowerings
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     import fp4compile
@@ -62,11 +68,26 @@ _SIMULATED = textwrap.dedent("""
         dy = torch.empty(64, 32, device="cuda", dtype=torch.bfloat16)
         gm = make_fx(f)(x, w, dy)
     before = collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    old_nodes = set(gm.graph.nodes)
     ctx = CompileContext(fp4compile.Recipe(), 0)
     ctx.inner = "inductor"
     gm = lower_kernels(gm, ctx)
     after = collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-    print(json.dumps({"before": before, "after": after, "choices": ctx.kernels}))
+    new_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n not in old_nodes]
+    # Ops the lowering added that Inductor has no lowering for (it expects them decomposed).
+    unlowered = [str(n.target) for n in new_nodes if n.target in select_decomp_table() and n.target not in lowerings]
+    # What Inductor's analysis of each kernel says it writes: the op nodes behind those arguments.
+    writes = []
+    for n in new_nodes:
+        if str(n.target) != "triton_kernel_wrapper_functional":
+            continue
+        kw = n.kwargs["kwargs"]
+        values = {k: (v.meta["val"] if isinstance(v, torch.fx.Node) else v) for k, v in kw.items()}
+        names = get_mutated_tensors(n.kwargs["kernel_idx"], n.kwargs["constant_args_idx"], values,
+                                    n.kwargs.get("tma_descriptor_metadata", {}))
+        writes.append(sorted(str(kw[k].target) for k in names))
+    print(json.dumps({"before": before, "after": after, "choices": ctx.kernels, "unlowered": unlowered,
+                      "writes": writes}))
 """)
 
 
@@ -90,6 +111,27 @@ def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():
     choices = {(c[2], c[3], c[4]) for c in result["choices"]}
     assert ("fp4.fake_quantize", "op", "it checks its output for non-finite values (a read back to the host)") in choices
     assert sum(c[3] == "in-graph Triton" for c in result["choices"]) == 8
+    # Inductor can lower everything the kernels' traces hold (their buffers come as ``aten.full``/``empty``).
+    assert result["unlowered"] == []
+    # Inductor's analysis of each kernel finds it writing only the buffers made for it, never an input: a
+    # kernel Inductor thinks writes its input gets a copy of that input before every launch.
+    assert len(result["writes"]) == 10
+    for written in result["writes"]:
+        assert written and all(t.startswith(("aten.empty", "aten.full")) for t in written), written
+
+
+def test_in_graph_kernels_can_be_turned_off():
+    import json
+    import os
+
+    env = {**os.environ, "FP4COMPILE_IN_GRAPH_KERNELS": "0"}
+    out = subprocess.run([sys.executable, "-c", _SIMULATED], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["after"] == result["before"]  # every kernel op stays one op call
+    assert result["writes"] == []
+    assert {c[3] for c in result["choices"]} == {"op"}
+    assert sum("in-graph kernels are off" in c[4] for c in result["choices"]) == 9
 
 
 def test_the_report_says_how_each_quantizer_runs_on_the_cpu(fresh_dynamo):

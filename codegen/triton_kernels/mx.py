@@ -8,7 +8,7 @@ from .numerics import tl, triton
 
 if triton is not None:
     from .numerics import _abs_bits, _e2m1, _jit, _sr_row_bits, _stream_key
-    from .rht import _amax16, _rht_store_codes, _rht_tile
+    from .rht import _amax16, _rht_indices, _rht_store_codes, _rht_tile
 
     # ------------------------------------------------------------------------------------------
     # MXFP4: 1x32 blocks with E8M0 (power-of-two) scales, no global scale
@@ -83,8 +83,9 @@ if triton is not None:
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
-        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, chunks, cols = _rht_tile(
-            x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K
+        chunks, cols = _rht_indices(pid_m, pid_k, BLOCK_M, BLOCK_K)
+        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _rht_tile(
+            x_ptr, M, K, stride_xm, chunks, cols
         )
         chunk_bits = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)
         bits = tl.max(_pairs(chunk_bits), axis=1)  # [block, column]; NaN sorts above Inf

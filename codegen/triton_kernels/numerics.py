@@ -259,8 +259,8 @@ if triton is not None:
         """The stream key of the pairs first + k (``_sr_word``): (first mod 2**32) xor k0 xor h((first >>
         32) xor k1), as ``formats.sr_random_bits`` keys pair first; the pairs first + k then hash
         key xor k. One full hash per ``first``, shared by its pairs."""
-        k0 = seed_lo.to(tl.uint32, bitcast=True)
-        k1 = seed_hi.to(tl.uint32, bitcast=True)
+        k0 = tl.cast(seed_lo, tl.uint32, bitcast=True)
+        k1 = tl.cast(seed_hi, tl.uint32, bitcast=True)
         h = _hash32_open((first >> 32).to(tl.uint32) ^ k1)
         return (first.to(tl.uint32) ^ k0) ^ (h ^ (h >> 16))
 
@@ -323,8 +323,8 @@ if triton is not None:
         """The SR seed's (low, high) 32 bits as uint32: the seed given in halves, or with MIX
         ``runtime.sr_seed`` of the node constant given in halves, mixed here with the step's base that
         the runtime keeps at seed_ptr (int64), so a recorded CUDA graph reads each step's base."""
-        lo = seed_lo.to(tl.uint32, bitcast=True)
-        hi = seed_hi.to(tl.uint32, bitcast=True)
+        lo = tl.cast(seed_lo, tl.uint32, bitcast=True)  # an int where the kernel is traced with constant ints
+        hi = tl.cast(seed_hi, tl.uint32, bitcast=True)
         if MIX:
             node = (hi.to(tl.uint64) << 32) | lo.to(tl.uint64)
             stream = _mix64(tl.load(seed_ptr).to(tl.uint64, bitcast=True) ^ node)

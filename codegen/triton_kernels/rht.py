@@ -65,14 +65,18 @@ if triton is not None:
         return tl.maximum(tl.maximum(m0, m1), tl.maximum(m2, m3))
 
     @_jit()
-    def _rht_loads(
-        x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, F32: tl.constexpr,
-    ):
-        """The 16 tokens of every 16-token chunk of the [BLOCK_M tokens, BLOCK_K] tile at (pid_m, pid_k),
-        as fp32 (F32) or in x's dtype: (x_0 .. x_15, chunk indices, column indices), x_i [BLOCK_M/16,
-        BLOCK_K]."""
-        chunks = pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
-        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    def _rht_indices(pid_m, pid_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(chunk indices, column indices) of the [BLOCK_M tokens, BLOCK_K] tile at (pid_m, pid_k).
+
+        Computed apart from the loads: a pointer an output is stored through must not come out of a call
+        that also takes the input's pointer, or Inductor's analysis of the kernel counts the input as
+        written (and copies it before every launch)."""
+        return pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16), pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+
+    @_jit()
+    def _rht_loads(x_ptr, M, K, stride_xm, chunks, cols, F32: tl.constexpr):
+        """The 16 tokens of every 16-token chunk of a tile (``_rht_indices``), as fp32 (F32) or in x's
+        dtype: x_0 .. x_15, [BLOCK_M/16, BLOCK_K]."""
         return (
             _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 0, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 1, F32),
             _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 2, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 3, F32),
@@ -82,7 +86,6 @@ if triton is not None:
             _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 10, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 11, F32),
             _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 12, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 13, F32),
             _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 14, F32), _rht_load(x_ptr, M, K, stride_xm, chunks, cols, 15, F32),
-            chunks, cols,
         )
 
     @_jit()
@@ -129,17 +132,13 @@ if triton is not None:
         return x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
 
     @_jit()
-    def _rht_tile(
-        x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):
-        """RHT along tokens of the [BLOCK_M tokens, BLOCK_K] tile at (pid_m, pid_k).
-
-        Returns (y_0 .. y_15, chunk indices, column indices), where
+    def _rht_tile(x_ptr, M, K, stride_xm, chunks, cols):
+        """RHT along tokens of a tile (``_rht_indices``): y_0 .. y_15, where
         y_j[c, k] = RHT(x^T)[k, 16 c + j], [BLOCK_M/16, BLOCK_K] fp32 holding values rounded to x's dtype,
         as ``formats.rht`` returns it.
         """
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, chunks, cols = _rht_loads(
-            x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K, True
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht_loads(
+            x_ptr, M, K, stride_xm, chunks, cols, True
         )
         x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht_butterfly(
             x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15
@@ -150,7 +149,6 @@ if triton is not None:
             _round_to(x4, dt), _round_to(x5, dt), _round_to(x6, dt), _round_to(x7, dt),
             _round_to(x8, dt), _round_to(x9, dt), _round_to(x10, dt), _round_to(x11, dt),
             _round_to(x12, dt), _round_to(x13, dt), _round_to(x14, dt), _round_to(x15, dt),
-            chunks, cols,
         )
 
     @_jit()
@@ -179,16 +177,18 @@ if triton is not None:
         pid_m, k_group = _tile_ids(K_FIRST)
         x_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.float32)
         y_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.float32)
-        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, _, _ = _rht_loads(
-            x_ptr, M, K, stride_xm, pid_m, k_group * ITERS, BLOCK_M, BLOCK_K, False
+        chunks, cols = _rht_indices(pid_m, k_group * ITERS, BLOCK_M, BLOCK_K)
+        x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht_loads(
+            x_ptr, M, K, stride_xm, chunks, cols, False
         )
         for i in range(ITERS):
             c0, c1, c2, c3, c4, c5, c6, c7 = x0, x1, x2, x3, x4, x5, x6, x7
             c8, c9, c10, c11, c12, c13, c14, c15 = x8, x9, x10, x11, x12, x13, x14, x15
             # The next tile (none after the last: no column is below a bound of 0).
             k_next = tl.where(i + 1 < ITERS, K, 0)
-            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15, _, _ = _rht_loads(
-                x_ptr, M, k_next, stride_xm, pid_m, k_group * ITERS + i + 1, BLOCK_M, BLOCK_K, False
+            chunks, cols = _rht_indices(pid_m, k_group * ITERS + i + 1, BLOCK_M, BLOCK_K)
+            x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = _rht_loads(
+                x_ptr, M, k_next, stride_xm, chunks, cols, False
             )
             c0, c1, c2, c3 = c0.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32), c3.to(tl.float32)
             c4, c5, c6, c7 = c4.to(tl.float32), c5.to(tl.float32), c6.to(tl.float32), c7.to(tl.float32)
@@ -290,8 +290,9 @@ if triton is not None:
         E4M3: tl.constexpr,
     ):
         """Quantize RHT(x^T) for one tile; outputs are [K, M]-shaped (transposed). Returns its abs-max bits."""
-        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15, chunks, cols = _rht_tile(
-            x_ptr, M, K, stride_xm, pid_m, pid_k, BLOCK_M, BLOCK_K
+        chunks, cols = _rht_indices(pid_m, pid_k, BLOCK_M, BLOCK_K)
+        y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15 = _rht_tile(
+            x_ptr, M, K, stride_xm, chunks, cols
         )
         bits = _amax16(y0, y1, y2, y3, y4, y5, y6, y7, y8, y9, y10, y11, y12, y13, y14, y15)  # [chunk, column]
         s_enc, s_dec = _encode_scale(amax)
