@@ -149,6 +149,30 @@ def _sr_base(gm: fx.GraphModule, x: torch.Tensor, bases: dict) -> fx.Node:
     return bases[x.device]
 
 
+def _signed64(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _key_streams(gm: fx.GraphModule, node: fx.Node, args: dict, base: fx.Node) -> None:
+    """Hand the node's SR streams to its kernels as device data rather than as scalar arguments.
+
+    A kernel mixes ``base ^ seed`` (``runtime.DeviceSeed``). The node's first SR seed is folded into the
+    base by a graph node (``base ^ seed``) and becomes 0; a second SR seed (``fp4.fake_dual_quantize``)
+    becomes ``seed_t ^ seed``; an RNE side's seed is unused and becomes 0. The kernels then mix the same
+    values (the bits do not change), and nodes of one shape launch kernels with equal scalar arguments,
+    which Inductor compiles once instead of once per node (it keys the definitions of kernels launched
+    with launch options on their scalar arguments)."""
+    pairs = [(r, "seed" if r == "rounding" else "seed_t") for r in _ROUNDING_ARGS if r in args]
+    key = next(int(args[seed]) for rounding, seed in pairs if args[rounding] == "sr")
+    for rounding, seed in pairs:
+        args[seed] = _signed64(int(args[seed]) ^ key) if args[rounding] == "sr" else 0
+    with gm.graph.inserting_before(node):
+        keyed = gm.graph.call_function(torch.ops.aten.bitwise_xor.Scalar, (base, _signed64(key)))
+    keyed.meta["val"] = base.meta["val"]
+    args["seed_base"] = keyed
+
+
 def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inductor = getattr(ctx, "inner", None) == "inductor"
     bases: dict = {}
@@ -163,7 +187,7 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if why:
             continue
         if any(args.get(name) == "sr" for name in _ROUNDING_ARGS):
-            args["seed_base"] = _sr_base(gm, _value(next(iter(args.values()))), bases)
+            _key_streams(gm, node, args, _sr_base(gm, _value(next(iter(args.values()))), bases))
         traced, inputs = _trace(node.target, args)
         _inline(gm, node, traced, inputs)
         changed = True

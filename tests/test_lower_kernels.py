@@ -41,7 +41,7 @@ _SIMULATED = textwrap.dedent("""
     import types, triton
     from triton.backends.compiler import GPUTarget
     triton.runtime.driver.set_active(types.SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32)))
-    from torch._higher_order_ops.triton_kernel_wrap import get_mutated_tensors
+    from torch._higher_order_ops.triton_kernel_wrap import get_mutated_tensors, kernel_side_table
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.lowering import lowerings
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -60,7 +60,9 @@ _SIMULATED = textwrap.dedent("""
             dy, 16, "nvfp4", "sr", 13, "", "sr", 14, "", *torch.ops.fp4.wgrad_amax(dy, 16))
         r, ramax = torch.ops.fp4.fake_rht_quantize(x.t(), 16, "nvfp4", "1x16", "sr", 15, "")
         c = torch.ops.fp4.fake_quantize(x, "nvfp4", "1x16", "rne", 16, "layer fprop a")[0]
-        return xb, wb, wtd, wts, g, gt, r, xamax, wa, ramax, c
+        s1 = torch.ops.fp4.fake_quantize(dy, "nvfp4", "1x16", "sr", -(2**62) - 17, "", xa)[0]
+        s2 = torch.ops.fp4.fake_quantize(dy, "nvfp4", "1x16", "sr", 18, "", xa)[0]
+        return xb, wb, wtd, wts, g, gt, r, xamax, wa, ramax, c, s1, s2
 
     with FakeTensorMode():
         x = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
@@ -77,17 +79,21 @@ _SIMULATED = textwrap.dedent("""
     # Ops the lowering added that Inductor has no lowering for (it expects them decomposed).
     unlowered = [str(n.target) for n in new_nodes if n.target in select_decomp_table() and n.target not in lowerings]
     # What Inductor's analysis of each kernel says it writes: the op nodes behind those arguments.
-    writes = []
+    writes, scalars = [], []
     for n in new_nodes:
         if str(n.target) != "triton_kernel_wrapper_functional":
             continue
         kw = n.kwargs["kwargs"]
+        kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
         values = {k: (v.meta["val"] if isinstance(v, torch.fx.Node) else v) for k, v in kw.items()}
         names = get_mutated_tensors(n.kwargs["kernel_idx"], n.kwargs["constant_args_idx"], values,
                                     n.kwargs.get("tma_descriptor_metadata", {}))
         writes.append(sorted(str(kw[k].target) for k in names))
+        scalars.append([getattr(kernel.fn, "__name__", "?"), sorted(
+            (k, v) for k, v in {**kw, **kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])}.items()
+            if not isinstance(v, torch.fx.Node))])
     print(json.dumps({"before": before, "after": after, "choices": ctx.kernels, "unlowered": unlowered,
-                      "writes": writes}))
+                      "writes": writes, "scalars": scalars}))
 """)
 
 
@@ -98,26 +104,30 @@ def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():
 
     result = json.loads(out.stdout.strip().splitlines()[-1])
     before, after = result["before"], result["after"]
-    assert before["fp4.fake_quantize.default"] == 2 and before["fp4.wgrad_amax.default"] == 2
+    assert before["fp4.fake_quantize.default"] == 4 and before["fp4.wgrad_amax.default"] == 2
     # Every kernel op is gone but the one that checks its output (a read back to the host).
     assert after.get("fp4.fake_quantize.default") == 1
     for op in ("quantize", "rht_quantize", "fake_rht_quantize", "fake_dual_quantize", "wgrad_amax",
                "transpose_quantized", "decode_blocks"):
         assert f"fp4.{op}.default" not in after, op
-    # The kernels: wgrad_amax x2 (one each), fake_quantize (one pass: amax given), quantize 16x16 (amax +
-    # quantize), decode, transpose, dual (one), fake_rht_quantize (amax + quantize).
-    assert after["triton_kernel_wrapper_functional"] == 2 + 1 + 2 + 1 + 1 + 1 + 2
+    # The kernels: wgrad_amax x2 (one each), fake_quantize x3 (one pass each: amax given), quantize 16x16
+    # (amax + quantize), decode, transpose, dual (one), fake_rht_quantize (amax + quantize).
+    assert after["triton_kernel_wrapper_functional"] == 2 + 3 + 2 + 1 + 1 + 1 + 2
     assert after["fp4.sr_base.default"] == 1  # one base for the graph's SR quantizers
     choices = {(c[2], c[3], c[4]) for c in result["choices"]}
     assert ("fp4.fake_quantize", "op", "it checks its output for non-finite values (a read back to the host)") in choices
-    assert sum(c[3] == "in-graph Triton" for c in result["choices"]) == 8
+    assert sum(c[3] == "in-graph Triton" for c in result["choices"]) == 10
     # Inductor can lower everything the kernels' traces hold (their buffers come as ``aten.full``/``empty``).
     assert result["unlowered"] == []
     # Inductor's analysis of each kernel finds it writing only the buffers made for it, never an input: a
     # kernel Inductor thinks writes its input gets a copy of that input before every launch.
-    assert len(result["writes"]) == 10
+    assert len(result["writes"]) == 12
     for written in result["writes"]:
         assert written and all(t.startswith(("aten.empty", "aten.full")) for t in written), written
+    # Two SR quantizers of one tensor with different seeds launch kernels with equal scalar arguments (the
+    # streams come as device data), so Inductor compiles that kernel once for both.
+    rows = [s for s in result["scalars"] if s[0] == "_quantize_rows_kernel"]
+    assert len(rows) == 4 and rows[-1] == rows[-2]
 
 
 def test_in_graph_kernels_can_be_turned_off():
@@ -131,7 +141,7 @@ def test_in_graph_kernels_can_be_turned_off():
     assert result["after"] == result["before"]  # every kernel op stays one op call
     assert result["writes"] == []
     assert {c[3] for c in result["choices"]} == {"op"}
-    assert sum("in-graph kernels are off" in c[4] for c in result["choices"]) == 9
+    assert sum("in-graph kernels are off" in c[4] for c in result["choices"]) == 11
 
 
 def test_the_report_says_how_each_quantizer_runs_on_the_cpu(fresh_dynamo):
