@@ -30,9 +30,6 @@ in_graph_kernels: bool = True
 """Under Inductor on CUDA, the fp4 ops' Triton kernels go into Inductor's generated code (the
 ``lower_kernels`` pass); off: each op runs as one opaque call that launches its kernels itself."""
 
-
-
-
 cache_dir: Optional[str] = None
 """Where built CUTLASS kernels are cached; None: ``~/.cache/fp4compile``."""
 

@@ -40,7 +40,8 @@ KERNEL_OPS = {
 }
 SR_BASE = torch.ops.fp4.sr_base.default
 _CHECK_ARGS = ("check", "check_t")
-_ROUNDING_ARGS = ("rounding", "rounding_t")
+_STREAM_ARGS = (("rounding", "seed"), ("rounding_t", "seed_t"))  # each rounding argument and its seed
+_ROUNDING_ARGS = tuple(rounding for rounding, _ in _STREAM_ARGS)
 
 
 def _bound(node: fx.Node) -> dict:
@@ -62,9 +63,9 @@ def _why_not(node: fx.Node, args: dict) -> str:
     """Why the op stays a node ("" where its kernels go into the graph)."""
     from fp4compile.codegen import triton_kernels
 
-    x = _value(next(iter(args.values())))
     if not config.in_graph_kernels:
         return "in-graph kernels are off (fp4compile.config.in_graph_kernels)"
+    x = _value(next(iter(args.values())))
     if not isinstance(x, torch.Tensor):
         return "no fake value for its input"
     if x.device.type != "cuda":
@@ -149,11 +150,6 @@ def _sr_base(gm: fx.GraphModule, x: torch.Tensor, bases: dict) -> fx.Node:
     return bases[x.device]
 
 
-def _signed64(value: int) -> int:
-    value &= (1 << 64) - 1
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
 def _key_streams(gm: fx.GraphModule, node: fx.Node, args: dict, base: fx.Node) -> None:
     """Hand the node's SR streams to its kernels as device data rather than as scalar arguments.
 
@@ -162,13 +158,13 @@ def _key_streams(gm: fx.GraphModule, node: fx.Node, args: dict, base: fx.Node) -
     becomes ``seed_t ^ seed``; an RNE side's seed is unused and becomes 0. The kernels then mix the same
     values (the bits do not change), and nodes of one shape launch kernels with equal scalar arguments,
     which Inductor compiles once instead of once per node (it keys the definitions of kernels launched
-    with launch options on their scalar arguments)."""
-    pairs = [(r, "seed" if r == "rounding" else "seed_t") for r in _ROUNDING_ARGS if r in args]
+    with launch options on their scalar arguments). Seeds are int64 values, and so are their xors."""
+    pairs = [(rounding, seed) for rounding, seed in _STREAM_ARGS if rounding in args]
     key = next(int(args[seed]) for rounding, seed in pairs if args[rounding] == "sr")
     for rounding, seed in pairs:
-        args[seed] = _signed64(int(args[seed]) ^ key) if args[rounding] == "sr" else 0
+        args[seed] = int(args[seed]) ^ key if args[rounding] == "sr" else 0
     with gm.graph.inserting_before(node):
-        keyed = gm.graph.call_function(torch.ops.aten.bitwise_xor.Scalar, (base, _signed64(key)))
+        keyed = gm.graph.call_function(torch.ops.aten.bitwise_xor.Scalar, (base, key))
     keyed.meta["val"] = base.meta["val"]
     args["seed_base"] = keyed
 
