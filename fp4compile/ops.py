@@ -366,25 +366,27 @@ def _(x, size, fmt, block, rounding, seed, check, amax=None, seed_base=None):
 def fake_dual_quantize(
     x: torch.Tensor, size: int, fmt: str, rounding: str, seed: int, check: str,
     rounding_t: str, seed_t: int, check_t: str, amax: torch.Tensor, amax_t: torch.Tensor,
-    seed_base: Optional[torch.Tensor] = None,
+    seed_base: Optional[torch.Tensor] = None, seed_base_t: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``fp4.fake_quantize(x, fmt, "1x16", rounding, seed, check, amax)[0]``,
     ``fp4.fake_rht_quantize(x.t(), size, fmt, "1x16", rounding_t, seed_t, check_t, amax_t)[0]``): a
     [tokens, K] gradient dY block-decoded for dgrad and, with the RHT, for wgrad, with both amaxes its
     own (``fp4.wgrad_amax``). On CUDA one Triton launch quantizes each tile of x both ways (its second
-    read mostly from L2); elsewhere the two ops run in turn. The bits are those of the two ops."""
+    read mostly from L2); elsewhere the two ops run in turn. The bits are those of the two ops.
+    ``seed_base_t``: the base the second stream mixes ``seed_t`` with (default ``seed_base``)."""
+    seed_base_t = seed_base if seed_base_t is None else seed_base_t
     kernel = runtime.fake_dual_quantize_kernel(x, size, fmt)
     if kernel is None:
         rows = torch.ops.fp4.fake_quantize.default(x, fmt, "1x16", rounding, seed, check, amax, seed_base)[0]
         transformed = torch.ops.fp4.fake_rht_quantize.default(
-            x.t(), size, fmt, "1x16", rounding_t, seed_t, check_t, amax_t, seed_base
+            x.t(), size, fmt, "1x16", rounding_t, seed_t, check_t, amax_t, seed_base_t
         )[0]
         return rows, transformed
     _given_amax(amax, fmt, x, "fp4.fake_dual_quantize")
     _given_amax(amax_t, fmt, x, "fp4.fake_dual_quantize")
     rows, transformed = kernel(
         x, rounding, _kernel_stream(x, rounding, seed, seed_base), amax,
-        rounding_t, _kernel_stream(x, rounding_t, seed_t, seed_base), amax_t,
+        rounding_t, _kernel_stream(x, rounding_t, seed_t, seed_base_t), amax_t,
     )
     _check_finite(check, amax, x)
     _check_finite(check_t, amax_t, x.t(), size)
@@ -392,7 +394,8 @@ def fake_dual_quantize(
 
 
 @fake_dual_quantize.register_fake
-def _(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t, seed_base=None):
+def _(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t, seed_base=None,
+      seed_base_t=None):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((x.shape[1], x.shape[0]), dtype=torch.bfloat16)
 
 

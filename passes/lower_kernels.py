@@ -153,20 +153,22 @@ def _sr_base(gm: fx.GraphModule, x: torch.Tensor, bases: dict) -> fx.Node:
 def _key_streams(gm: fx.GraphModule, node: fx.Node, args: dict, base: fx.Node) -> None:
     """Hand the node's SR streams to its kernels as device data rather than as scalar arguments.
 
-    A kernel mixes ``base ^ seed`` (``runtime.DeviceSeed``). The node's first SR seed is folded into the
-    base by a graph node (``base ^ seed``) and becomes 0; a second SR seed (``fp4.fake_dual_quantize``)
-    becomes ``seed_t ^ seed``; an RNE side's seed is unused and becomes 0. The kernels then mix the same
-    values (the bits do not change), and nodes of one shape launch kernels with equal scalar arguments,
-    which Inductor compiles once instead of once per node (it keys the definitions of kernels launched
-    with launch options on their scalar arguments). Seeds are int64 values, and so are their xors."""
-    pairs = [(rounding, seed) for rounding, seed in _STREAM_ARGS if rounding in args]
-    key = next(int(args[seed]) for rounding, seed in pairs if args[rounding] == "sr")
-    for rounding, seed in pairs:
-        args[seed] = int(args[seed]) ^ key if args[rounding] == "sr" else 0
-    with gm.graph.inserting_before(node):
-        keyed = gm.graph.call_function(torch.ops.aten.bitwise_xor.Scalar, (base, key))
-    keyed.meta["val"] = base.meta["val"]
-    args["seed_base"] = keyed
+    A kernel mixes ``base ^ seed`` (``runtime.DeviceSeed``). Each SR seed is folded into a base of its
+    own by a graph node (``base ^ seed``: ``seed_base``, and ``seed_base_t`` for the second stream of
+    ``fp4.fake_dual_quantize``) and becomes 0; an RNE side's seed is unused and becomes 0. The kernels
+    then mix the same values (the bits do not change), and nodes of one shape launch kernels with equal
+    scalar arguments, which Inductor compiles once instead of once per node (it keys the definitions of
+    kernels launched with launch options on their scalar arguments). Seeds are int64 values, and so are
+    their xors."""
+    for (rounding, seed), base_arg in zip(_STREAM_ARGS, ("seed_base", "seed_base_t")):
+        if rounding not in args:
+            continue
+        if args[rounding] == "sr":
+            with gm.graph.inserting_before(node):
+                keyed = gm.graph.call_function(torch.ops.aten.bitwise_xor.Scalar, (base, int(args[seed])))
+            keyed.meta["val"] = base.meta["val"]
+            args[base_arg] = keyed
+        args[seed] = 0
 
 
 def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:

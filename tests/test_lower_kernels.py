@@ -56,13 +56,14 @@ _SIMULATED = textwrap.dedent("""
         wd, ws, wa = torch.ops.fp4.quantize(w, "nvfp4", "16x16", "rne", 12, "")
         wb = torch.ops.fp4.decode_blocks(wd, ws)
         wtd, wts = torch.ops.fp4.transpose_quantized(wd, ws)
-        g, gt = torch.ops.fp4.fake_dual_quantize(
-            dy, 16, "nvfp4", "sr", 13, "", "sr", 14, "", *torch.ops.fp4.wgrad_amax(dy, 16))
+        dy_amaxes = torch.ops.fp4.wgrad_amax(dy, 16)
+        g, gt = torch.ops.fp4.fake_dual_quantize(dy, 16, "nvfp4", "sr", 13, "", "sr", 14, "", *dy_amaxes)
+        g2, gt2 = torch.ops.fp4.fake_dual_quantize(dy, 16, "nvfp4", "sr", 19, "", "sr", -20, "", *dy_amaxes)
         r, ramax = torch.ops.fp4.fake_rht_quantize(x.t(), 16, "nvfp4", "1x16", "sr", 15, "")
         c = torch.ops.fp4.fake_quantize(x, "nvfp4", "1x16", "rne", 16, "layer fprop a")[0]
         s1 = torch.ops.fp4.fake_quantize(dy, "nvfp4", "1x16", "sr", -(2**62) - 17, "", xa)[0]
         s2 = torch.ops.fp4.fake_quantize(dy, "nvfp4", "1x16", "sr", 18, "", xa)[0]
-        return xb, wb, wtd, wts, g, gt, r, xamax, wa, ramax, c, s1, s2
+        return xb, wb, wtd, wts, g, gt, r, xamax, wa, ramax, c, s1, s2, g2, gt2
 
     with FakeTensorMode():
         x = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
@@ -111,23 +112,26 @@ def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():
                "transpose_quantized", "decode_blocks"):
         assert f"fp4.{op}.default" not in after, op
     # The kernels: wgrad_amax x2 (one each), fake_quantize x3 (one pass each: amax given), quantize 16x16
-    # (amax + quantize), decode, transpose, dual (one), fake_rht_quantize (amax + quantize).
-    assert after["triton_kernel_wrapper_functional"] == 2 + 3 + 2 + 1 + 1 + 1 + 2
+    # (amax + quantize), decode, transpose, dual x2 (one each), fake_rht_quantize (amax + quantize).
+    assert after["triton_kernel_wrapper_functional"] == 2 + 3 + 2 + 1 + 1 + 2 + 2
     assert after["fp4.sr_base.default"] == 1  # one base for the graph's SR quantizers
     choices = {(c[2], c[3], c[4]) for c in result["choices"]}
     assert ("fp4.fake_quantize", "op", "it checks its output for non-finite values (a read back to the host)") in choices
-    assert sum(c[3] == "in-graph Triton" for c in result["choices"]) == 10
+    assert sum(c[3] == "in-graph Triton" for c in result["choices"]) == 11
     # Inductor can lower everything the kernels' traces hold (their buffers come as ``aten.full``/``empty``).
     assert result["unlowered"] == []
     # Inductor's analysis of each kernel finds it writing only the buffers made for it, never an input: a
     # kernel Inductor thinks writes its input gets a copy of that input before every launch.
-    assert len(result["writes"]) == 12
+    assert len(result["writes"]) == 13
     for written in result["writes"]:
         assert written and all(t.startswith(("aten.empty", "aten.full")) for t in written), written
     # Two SR quantizers of one tensor with different seeds launch kernels with equal scalar arguments (the
     # streams come as device data), so Inductor compiles that kernel once for both.
     rows = [s for s in result["scalars"] if s[0] == "_quantize_rows_kernel"]
     assert len(rows) == 4 and rows[-1] == rows[-2]
+    # Likewise both streams of the dual quantizer (each its own device base).
+    dual = [s for s in result["scalars"] if s[0] == "_dual_quantize_kernel"]
+    assert len(dual) == 2 and dual[0] == dual[1]
 
 
 def test_in_graph_kernels_can_be_turned_off():
@@ -141,7 +145,7 @@ def test_in_graph_kernels_can_be_turned_off():
     assert result["after"] == result["before"]  # every kernel op stays one op call
     assert result["writes"] == []
     assert {c[3] for c in result["choices"]} == {"op"}
-    assert sum("in-graph kernels are off" in c[4] for c in result["choices"]) == 11
+    assert sum("in-graph kernels are off" in c[4] for c in result["choices"]) == 12
 
 
 def test_the_report_says_how_each_quantizer_runs_on_the_cpu(fresh_dynamo):
