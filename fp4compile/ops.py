@@ -17,7 +17,7 @@ in buffers; ``formats.QTensor`` is rebuilt inside the implementations.
 | ``fp4.fake_dual_quantize(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t)`` | the two decoded operands of a gradient (1x16, and RHT(x.T)) in one launch |
 | ``fp4.emulated_mm(a_bd, amax_a, b_bd, amax_b, fmt, out_dtype)`` | emulated FP4 GEMM on block-decoded operands |
 | ``fp4.record_amax(history, amax)`` | shifts an activation amax history and writes ``amax`` last, in place (``fp4compile.ranges``) |
-| ``fp4.sr_base(device)`` | the step's stochastic-rounding base on the device (int64 [1]), read when the graph runs |
+| ``fp4.sr_base(device, keys)`` | the step's stochastic-rounding base on the device mixed with each SR node constant of a graph (int64 [2 * len(keys)]), computed when the graph runs |
 
 The ops with Triton kernels (the quantizers, ``wgrad_amax``, ``transpose_quantized``, ``decode_blocks``)
 are ``torch.library.triton_op``s: the ``lower_kernels`` pass replaces each call that a kernel takes by
@@ -139,17 +139,19 @@ def _(a, b, role, site, dtype, b_codes=None, b_scales=None, b_amax=None, x_amax=
 
 
 @_custom_op("fp4::sr_base")
-def sr_base(device: torch.device) -> torch.Tensor:
-    """A copy of the current step's stochastic-rounding base on ``device`` (int64 [1]): what a graph's
-    quantize kernels mix their node constants with (``seed_base``). A copy made when the graph runs, from
-    the tensor the runtime rewrites at every step (``runtime.device_base``): recorded in a CUDA graph, each
-    replay copies that step's base."""
-    return runtime.device_base(device).clone()
+def sr_base(device: torch.device, keys: list[int]) -> torch.Tensor:
+    """The current step's stochastic-rounding base on ``device`` mixed with each of ``keys`` (the SR node
+    constants of a graph): int64 [2 * len(keys)] with ``base ^ keys[i]`` at 2i, what the quantize kernel
+    of node i reads as its ``seed_base`` (a one-element view, 16-byte aligned). Computed when the graph
+    runs, from the tensor the runtime rewrites at every step (``runtime.device_base``): recorded in a
+    CUDA graph, each replay mixes that step's base. One op for a graph's nodes: one small kernel, the
+    same for every node, instead of one per node constant."""
+    return (runtime.device_base(device) ^ runtime.device_keys(device, tuple(keys))).view(-1)
 
 
 @sr_base.register_fake
-def _(device):
-    return torch.empty(1, dtype=torch.int64, device=device)
+def _(device, keys):
+    return torch.empty(2 * len(keys), dtype=torch.int64, device=device)
 
 
 def _kernel_stream(x: torch.Tensor, rounding: str, node: int, seed_base: Optional[torch.Tensor] = None):
@@ -228,8 +230,9 @@ def quantize(
     With ``rounding == "sr"`` the random stream is ``runtime.sr_seed(seed)``: the graph's constant mixed
     with the SR state, which advances on every compiled call made with gradients enabled. A non-empty ``check`` names the
     operand ("layer role operand"): non-finite input then raises ``FloatingPointError``. ``seed_base``
-    (CUDA): the step's SR base as ``fp4.sr_base`` returns it, what the kernel mixes ``seed`` with (the
-    ``lower_kernels`` pass gives it; without it the kernel reads the runtime's copy).
+    (CUDA): an int64 [1] tensor the kernel mixes ``seed`` with instead of the step's base (the
+    ``lower_kernels`` pass gives the step's base already mixed with the node's constant, a slice of
+    ``fp4.sr_base``, and seed 0; without it the kernel reads the runtime's copy of the base).
     """
     data, scales, amax = _quantize(x, fmt, block, rounding, seed, amax, seed_base=seed_base)
     _check_finite(check, amax, x)

@@ -192,6 +192,25 @@ def device_base(device) -> torch.Tensor:
     return tensor
 
 
+_device_keys: dict = {}  # (device, keys) -> int64 [len(keys), 2] tensor, the keys in column 0
+
+
+def device_keys(device, keys: tuple) -> torch.Tensor:
+    """An int64 [len(keys), 2] tensor on ``device`` holding ``keys`` (SR node constants, signed 64-bit)
+    in its first column and zeros in the second, so that each row starts 16 bytes after the last. Made
+    once per (device, keys): the lowering makes a graph's keys when it compiles, before any CUDA graph
+    is recorded."""
+    key = (_device_key(device), tuple(int(k) for k in keys))
+    with _lock:
+        tensor = _device_keys.get(key)
+        if tensor is None:
+            _check_not_recording(f"the SR node constants for {key[0]} would be allocated")
+            with torch.inference_mode(False):
+                tensor = torch.tensor([[k, 0] for k in key[1]], dtype=torch.int64).to(key[0])
+            _device_keys[key] = tensor
+    return tensor
+
+
 def device_seed(node_constant: int, device) -> DeviceSeed:
     """The stream of a quantize node for kernels that read the base on ``device``."""
     return DeviceSeed(int(node_constant), device_base(device))

@@ -9,7 +9,8 @@ Triton kernels available, every kernel op (``fp4.quantize``, ``fp4.rht_quantize`
 functionally: its buffer allocations and its Triton kernels as ``triton_kernel_wrapper_functional``
 nodes. Inductor compiles those kernels with its own (asynchronously, into its on-disk caches), launches
 them from its generated code and records them in CUDA graphs like its own. Quantizers with stochastic
-rounding read the step's base from one ``fp4.sr_base`` node per device, at the top of the graph.
+rounding read the step's base, mixed with their node constants, from one ``fp4.sr_base`` node per
+device at the top of the graph.
 
 An op stays one node, run by its implementation when the graph runs, where: the inner compiler is not
 Inductor; the tensor is not on a CUDA device, or Triton's kernels cannot run (``triton_kernels.available``);
@@ -137,43 +138,64 @@ def _inline(gm: fx.GraphModule, node: fx.Node, traced: fx.GraphModule, inputs: l
     gm.graph.erase_node(node)
 
 
-def _sr_base(gm: fx.GraphModule, x: torch.Tensor, bases: dict) -> fx.Node:
-    """The graph's ``fp4.sr_base`` node for the device of ``x`` (a fake value), made at the top of the
-    graph on first use."""
-    if x.device not in bases:
-        first = next(n for n in gm.graph.nodes if n.op != "placeholder")
-        with gm.graph.inserting_before(first):
-            base = gm.graph.call_function(SR_BASE, (x.device,))
+class _StreamKeys:
+    """The graph's ``fp4.sr_base`` node per device (at the top of the graph) and the node constants it
+    mixes with the step's base, one slice of its output per SR stream."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.bases: dict = {}  # device -> (sr_base node, its keys, the fake mode of the graph)
+
+    def slice(self, x: torch.Tensor, key: int) -> fx.Node:
+        """A node holding ``base ^ key`` (int64 [1]) on the device of ``x`` (a fake value)."""
+        graph = self.gm.graph
+        if x.device not in self.bases:
+            first = next(n for n in graph.nodes if n.op != "placeholder")
+            with graph.inserting_before(first):
+                self.bases[x.device] = (graph.call_function(SR_BASE, (x.device, [])), [], x.fake_mode)
+        base, keys, _ = self.bases[x.device]
+        keys.append(int(key))
+        with graph.inserting_after(base):
+            piece = graph.call_function(torch.ops.aten.slice.Tensor, (base, 0, 2 * len(keys) - 2, 2 * len(keys) - 1))
         with x.fake_mode:
-            base.meta["val"] = torch.empty(1, dtype=torch.int64, device=x.device)
-        bases[x.device] = base
-    return bases[x.device]
+            piece.meta["val"] = torch.empty(1, dtype=torch.int64, device=x.device)
+        return piece
+
+    def finish(self) -> None:
+        """Give each ``fp4.sr_base`` node its keys (and, where CUDA runs, make their device copy now,
+        before any CUDA graph is recorded)."""
+        for device, (base, keys, fake_mode) in self.bases.items():
+            base.args = (device, keys)
+            with fake_mode:
+                base.meta["val"] = torch.empty(2 * len(keys), dtype=torch.int64, device=device)
+            if torch.cuda.is_initialized():
+                from fp4compile import runtime
+
+                runtime.device_keys(device, tuple(keys))
 
 
-def _key_streams(gm: fx.GraphModule, node: fx.Node, args: dict, base: fx.Node) -> None:
+def _key_streams(node: fx.Node, args: dict, keys: _StreamKeys) -> None:
     """Hand the node's SR streams to its kernels as device data rather than as scalar arguments.
 
-    A kernel mixes ``base ^ seed`` (``runtime.DeviceSeed``). Each SR seed is folded into a base of its
-    own by a graph node (``base ^ seed``: ``seed_base``, and ``seed_base_t`` for the second stream of
-    ``fp4.fake_dual_quantize``) and becomes 0; an RNE side's seed is unused and becomes 0. The kernels
-    then mix the same values (the bits do not change), and nodes of one shape launch kernels with equal
-    scalar arguments, which Inductor compiles once instead of once per node (it keys the definitions of
-    kernels launched with launch options on their scalar arguments). Seeds are int64 values, and so are
-    their xors."""
+    A kernel mixes ``base ^ seed`` (``runtime.DeviceSeed``). Each SR seed goes into the graph's
+    ``fp4.sr_base`` node, whose output holds ``base ^ seed`` for it: the node's ``seed_base`` (and
+    ``seed_base_t`` for the second stream of ``fp4.fake_dual_quantize``) is that slice, and its seed
+    becomes 0; an RNE side's seed is unused and becomes 0. The kernels then mix the same values (the
+    bits do not change), and nodes of one shape launch kernels with equal scalar arguments, which
+    Inductor compiles once instead of once per node (it keys the definitions of kernels launched with
+    launch options on their scalar arguments); the mixing is one small kernel for the whole graph."""
+    x = _value(next(iter(args.values())))
     for (rounding, seed), base_arg in zip(_STREAM_ARGS, ("seed_base", "seed_base_t")):
         if rounding not in args:
             continue
         if args[rounding] == "sr":
-            with gm.graph.inserting_before(node):
-                keyed = gm.graph.call_function(torch.ops.aten.bitwise_xor.Scalar, (base, int(args[seed])))
-            keyed.meta["val"] = base.meta["val"]
-            args[base_arg] = keyed
+            args[base_arg] = keys.slice(x, int(args[seed]))
         args[seed] = 0
 
 
 def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inductor = getattr(ctx, "inner", None) == "inductor"
-    bases: dict = {}
+    keys = _StreamKeys(gm)
     changed = False
     stage = ctx.stage
     for node in list(gm.graph.nodes):
@@ -185,10 +207,11 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if why:
             continue
         if any(args.get(name) == "sr" for name in _ROUNDING_ARGS):
-            _key_streams(gm, node, args, _sr_base(gm, _value(next(iter(args.values()))), bases))
+            _key_streams(node, args, keys)
         traced, inputs = _trace(node.target, args)
         _inline(gm, node, traced, inputs)
         changed = True
+    keys.finish()
     if changed:
         gm.graph.eliminate_dead_code()  # the traced kernels' unused outputs
     return gm

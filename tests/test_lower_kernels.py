@@ -114,7 +114,10 @@ def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():
     # The kernels: wgrad_amax x2 (one each), fake_quantize x3 (one pass each: amax given), quantize 16x16
     # (amax + quantize), decode, transpose, dual x2 (one each), fake_rht_quantize (amax + quantize).
     assert after["triton_kernel_wrapper_functional"] == 2 + 3 + 2 + 1 + 1 + 2 + 2
-    assert after["fp4.sr_base.default"] == 1  # one base for the graph's SR quantizers
+    # One op mixes the step's base with every SR stream's constant (7 streams: the dual quantizers have
+    # two); each kernel reads its own element through a view, no kernel per stream.
+    assert after["fp4.sr_base.default"] == 1 and after["aten.slice.Tensor"] == 7
+    assert "aten.bitwise_xor.Scalar" not in after
     choices = {(c[2], c[3], c[4]) for c in result["choices"]}
     assert ("fp4.fake_quantize", "op", "it checks its output for non-finite values (a read back to the host)") in choices
     assert sum(c[3] == "in-graph Triton" for c in result["choices"]) == 11
@@ -132,6 +135,21 @@ def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():
     # Likewise both streams of the dual quantizer (each its own device base).
     dual = [s for s in result["scalars"] if s[0] == "_dual_quantize_kernel"]
     assert len(dual) == 2 and dual[0] == dual[1]
+
+
+def test_sr_base_mixes_the_step_base_with_each_node_constant():
+    saved = runtime.get_rng_state()
+    runtime.manual_seed(3)
+    keys = [5, -7, 2**62 + 1]
+    out = torch.ops.fp4.sr_base(torch.device("cpu"), keys)
+    base = int(runtime.device_base("cpu"))
+    assert out.dtype == torch.int64 and out.shape == (6,)
+    assert out[0::2].tolist() == [base ^ k for k in keys]
+    runtime.advance()  # a new step: the same op gives the new base's mix
+    new_base = int(runtime.device_base("cpu"))
+    assert new_base != base
+    assert torch.ops.fp4.sr_base(torch.device("cpu"), keys)[0::2].tolist() == [new_base ^ k for k in keys]
+    runtime.set_rng_state(saved)
 
 
 def test_in_graph_kernels_can_be_turned_off():
