@@ -124,3 +124,72 @@ def test_bad_layouts_are_refused():
     q = ops.quantize(x, "nvfp4", "1x16", "rne", 0, "")
     with pytest.raises(ValueError, match="must be in the 128x4 tiled layout .* got a \\(32, 4\\) tensor"):
         cutlass_runtime.prepare_operands(q[0], q[1], q[0], q[1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Compiled training step on a simulated B200: the lowering asks the quantizers for the tiled layout
+# ----------------------------------------------------------------------------------------------
+
+
+def _simulated_blackwell(monkeypatch):
+    """2-D FP4 GEMMs get CUTLASS kernels (on the CPU), run by the simulated kernel of test_cutlass_runtime."""
+    from test_cutlass_runtime import simulated_kernel
+
+    def choose(m, n, k, fmt, out_dtype, device, allow_emulation=True):
+        config, why = cutlass_gemm.select_config(m, n, k, out_dtype)
+        if fmt != "nvfp4" or config is None:
+            return codegen.KernelChoice("emulation", why)
+        return codegen.KernelChoice(cutlass_runtime.kernel_name(config, allow_emulation), why)
+
+    monkeypatch.setattr(codegen, "choose_kernel", choose)
+    monkeypatch.setattr(cutlass_gemm, "load", lambda config, arch=None, progress=True, device=None: simulated_kernel(config))
+    cutlass_runtime.reset()
+
+
+def _step(model, x, backend):
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    out = compiled(x)
+    out.float().square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return out.detach(), grads
+
+
+def _nodes(graph, target, **kwargs):
+    return [n for n in graph.nodes if n.target is target and all(n.kwargs.get(k) == v for k, v in kwargs.items())]
+
+
+@pytest.mark.parametrize("share_weight", [True, False])
+def test_simulated_b200_step_reads_swizzled_scales_and_equals_emulation(monkeypatch, fresh_dynamo, share_weight):
+    from models import MLPStack
+
+    torch.manual_seed(0)
+    model = MLPStack(3, d=32)
+    x = torch.randn(2, 32, 32)
+    recipe = dict(high_precision_first_blocks=0, high_precision_last_blocks=0, seed=5, share_weight=share_weight)
+    fp4compile.manual_seed(1)
+    emulated = _step(model, x, fp4compile.Backend(**recipe))
+    _simulated_blackwell(monkeypatch)
+    fp4compile.manual_seed(1)
+    backend = fp4compile.Backend(**recipe)
+    out, grads = _step(model, x, backend)
+    assert torch.equal(out, emulated[0])
+    assert all(torch.equal(grads[n], emulated[1][n]) for n in grads)
+
+    fp4 = torch.ops.fp4
+    (ctx,) = backend.report.latest
+    forward, backward = ctx.final_graphs["forward"], ctx.final_graphs["backward"]
+    mms = [n for g in (forward, backward) for n in _nodes(g, fp4.scaled_mm.default)]
+    # 6 linears: 6 fprop, 6 wgrad, 5 dgrad (the input needs no gradient).
+    assert len(mms) == 17 and all(n.args[8].startswith("cutlass:") for n in mms)
+    # Forward: X's quantizer writes the tiled layout; a weight kept row-major for the backward's transpose
+    # (5 of them: the first layer has no dgrad) is the one operand swizzled by a separate node.
+    assert len(_nodes(forward, fp4.quantize.default, layout="swizzled")) == (7 if share_weight else 12)
+    assert len(_nodes(forward, fp4.swizzle_scales.default)) == (5 if share_weight else 0)
+    # Backward: dY for dgrad, W^T (the transpose of the kept weight, or quantized again), both wgrad operands.
+    tiled = _nodes(backward, fp4.quantize.default, layout="swizzled") + _nodes(backward, fp4.rht_quantize.default, layout="swizzled")
+    assert len(tiled) + len(_nodes(backward, fp4.transpose_quantized.default, layout="swizzled")) == 5 * 2 + 6 * 2
+    assert not _nodes(backward, fp4.swizzle_scales.default)
+    # Every CUTLASS GEMM reads 1-D (tiled) scales.
+    assert all(mm.args[i].meta["val"].dim() == 1 for mm in mms for i in (1, 4))
