@@ -136,10 +136,8 @@ def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: st
         from . import triton_kernels
 
         if triton_kernels.available()[0]:
-            return triton_kernels.emulated_scaled_mm(
-                triton_kernels.block_decode(a, a_scales), a_amax, triton_kernels.block_decode(b, b_scales), b_amax,
-                out_dtype,
-            )
+            a_bd, b_bd = (triton_kernels.block_decode(x, s, swizzled=s.dim() == 1) for x, s in ((a, a_scales), (b, b_scales)))
+            return triton_kernels.emulated_scaled_mm(a_bd, a_amax, b_bd, b_amax, out_dtype)
     return ops.scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
 
 

@@ -617,6 +617,10 @@ def scaled_mm(
         return out + bias.to(out.dtype) if bias is not None else out
     if a_data.device.type != "cuda":
         raise ValueError(f"the CUTLASS NVFP4 GEMM runs on CUDA tensors, got a tensor on {a_data.device}")
+    from fp4compile.formats import swizzle_scales
+
+    # A direct call with quantize's row-major scales: swizzled here (compiled graphs hand the tiled layout).
+    a_scales, b_scales = (swizzle_scales(s) if s.dim() == 2 else s for s in (a_scales, b_scales))
     a_data, a_scales, b_data, b_scales = prepare_operands(a_data, a_scales, b_data, b_scales)
     padded_k = a_data.shape[-1] * 2
     check_operands(config.name, "A", a_data, a_scales, a_amax, padded_k)

@@ -17,9 +17,11 @@ allows emulation, runs the emulated GEMM after one ``fp4compile.PlanWarning`` na
 configuration and the reason.
 
 Operands (``prepare_operands``): packed codes [rows, K/2] (uint8 or float4_e2m1fn_x2) and E4M3 scales
-as the quantizers write them ([rows, K/16]) or already in the 128x4 tiled layout (1-D). A K that is
-a multiple of 16 but not of 32 (wgrad's token count) is zero-padded to the next multiple of 32: zero
-codes add nothing to any product, and the tiled layout already holds the extra scale column.
+in the 128x4 tiled layout (1-D), as the quantizers write them for a CUTLASS GEMM (``layout="swizzled"``,
+requested by the lowering: ``fp4compile.scale_layout``); nothing is rearranged per call, and row-major
+(2-D) scales are refused. A K that is a multiple of 16 but not of 32 (wgrad's token count) is
+zero-padded to the next multiple of 32: zero codes add nothing to any product, and the tiled layout
+already holds the extra scale column.
 """
 
 from __future__ import annotations
@@ -116,20 +118,18 @@ def check_operands(kernel: str, name: str, data, scales, amax, k: int) -> None:
 
 
 def _prepare(data: torch.Tensor, scales: torch.Tensor, padded_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from fp4compile.formats import swizzle_scales
-
     if data.dtype not in _DATA_DTYPES or scales.dtype not in _SCALE_DTYPES:
         raise ValueError(
             f"CUTLASS NVFP4 operands are codes (uint8 or float4_e2m1fn_x2) and scales (float8_e4m3fn or "
             f"uint8), got {data.dtype} and {scales.dtype}"
         )
     k = data.shape[-1] * 2
-    if scales.dim() == 2:
-        if scales.shape != (data.shape[0], k // 16):
-            raise ValueError(
-                f"row-major scales must be [rows, K/16] = [{data.shape[0]}, {k // 16}], got {tuple(scales.shape)}"
-            )
-        scales = swizzle_scales(scales)
+    if scales.dim() != 1:
+        raise ValueError(
+            f"CUTLASS NVFP4 scales must be in the 128x4 tiled layout (1-D: quantize with layout='swizzled', or "
+            f"formats.swizzle_scales), got a {tuple(scales.shape)} tensor (the row-major layout) for "
+            f"[{data.shape[0]}, {k // 16}] scales"
+        )
     if padded_k != k:
         # The tiled layout holds round_up(K/16, 4) scale columns, which covers the padded K: its extra
         # column is already there (zero); only the codes grow.
@@ -139,8 +139,9 @@ def _prepare(data: torch.Tensor, scales: torch.Tensor, padded_k: int) -> tuple[t
 
 
 def prepare_operands(a, a_scales, b, b_scales) -> tuple:
-    """(a, a_scales, b, b_scales) as the kernel reads them: scales in the tiled layout, K padded with
-    zero codes to a multiple of ``cutlass_gemm.ALIGN_K``. Raises ValueError when K is not a multiple of 16."""
+    """(a, a_scales, b, b_scales) as the kernel reads them: K padded with zero codes to a multiple of
+    ``cutlass_gemm.ALIGN_K``. Raises ValueError when K is not a multiple of 16 or the scales are not in
+    the tiled layout."""
     k = a.shape[-1] * 2
     if b.shape[-1] * 2 != k:
         raise ValueError(f"operands disagree on K: A has {k}, B has {b.shape[-1] * 2}")
@@ -177,8 +178,9 @@ def self_test(config: GemmConfig, kernel: Callable, device) -> None:
     qb = formats.quantize(torch.randn(n, k, generator=gen), block="16x16")
     what = f"self-test of {config.name} ({m}x{n}x{k}) on {device}"
     # Bytes cross devices (a copy of the FP4/FP8 storage dtypes needs kernels not every build has).
+    tiled = (formats.swizzle_scales(qa.scales), formats.swizzle_scales(qb.scales))  # as the quantizers write them
     operands = [t.view(torch.uint8).to(device) if t.element_size() == 1 else t.to(device)
-                for t in (qa.data, qa.scales, qa.amax, qb.data, qb.scales, qb.amax)]
+                for t in (qa.data, tiled[0], qa.amax, qb.data, tiled[1], qb.amax)]
     try:
         a, sa, b, sb = prepare_operands(operands[0], operands[1], operands[3], operands[4])
         out = kernel(a, sa, operands[2], b, sb, operands[5], None)

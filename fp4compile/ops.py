@@ -36,6 +36,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 from . import formats
 from . import runtime
+from . import scale_layout
 
 def _custom_op(name: str):
     """``torch.library.custom_op(name)`` for a function without mutated arguments: an op that stays one
@@ -192,11 +193,11 @@ def _given_amax(amax: Optional[torch.Tensor], fmt: str, x: torch.Tensor, what: s
 
 
 def _run_kernel(kernel, x, rounding: str, node: int, fmt: str, amax: Optional[torch.Tensor], what: str,
-                seed_base: Optional[torch.Tensor] = None) -> tuple:
+                seed_base: Optional[torch.Tensor] = None, **options) -> tuple:
     """A quantize kernel's outputs (..., amax) for x, handed x's own ``amax`` where an earlier node
     computed it; that amax, which the kernel returns as it is, is copied: an op's output may not alias
     its input."""
-    outputs = kernel(x, rounding, _kernel_stream(x, rounding, node, seed_base), **_given_amax(amax, fmt, x, what))
+    outputs = kernel(x, rounding, _kernel_stream(x, rounding, node, seed_base), **_given_amax(amax, fmt, x, what), **options)
     if amax is None:
         return outputs
     return (*outputs[:-1], outputs[-1].clone())
@@ -204,24 +205,32 @@ def _run_kernel(kernel, x, rounding: str, node: int, fmt: str, amax: Optional[to
 
 def _quantize(
     x: torch.Tensor, fmt: str, block: str, rounding: str, node: int, amax: Optional[torch.Tensor] = None,
-    what: str = "fp4.quantize", seed_base: Optional[torch.Tensor] = None,
+    what: str = "fp4.quantize", seed_base: Optional[torch.Tensor] = None, layout: str = scale_layout.ROW_MAJOR,
 ):
+    scale_layout.check(layout, fmt, x, what)
     kernel = runtime.quantize_kernel(x, fmt, block)
-    if kernel is not None:
-        return _run_kernel(kernel, x, rounding, node, fmt, amax, what, seed_base)
+    if kernel is not None:  # a swizzled layout: the kernel stores each scale at its tiled offset
+        return _run_kernel(kernel, x, rounding, node, fmt, amax, what, seed_base, **_swizzle(layout))
     _given_amax(amax, fmt, x, what)  # the checks of a given amax, as on the kernel path
     stream = _host_stream(x, rounding, node, "fp4.quantize")
     q = formats.quantize(x, fmt, block, rounding, seed=stream, amax=amax)
     amax = q.amax if q.amax is not None else x.float().abs().amax()
-    return q.data.view(torch.uint8), q.scales.view(torch.uint8), amax
+    return q.data.view(torch.uint8), scale_layout.arrange(q.scales.view(torch.uint8), layout), amax
+
+
+def _swizzle(layout: str) -> dict:
+    return {"swizzle": True} if layout == scale_layout.SWIZZLED else {}
 
 
 @_kernel_op("fp4::quantize")
 def quantize(
     x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str,
-    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None,
+    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None, layout: str = "row_major",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (packed codes uint8 [M, K/2], block scales uint8 [M, K/block], amax fp32 0-dim).
+
+    ``layout="swizzled"`` (2-D NVFP4 x): the scales in the 1-D 128x4 tiled layout CUTLASS GEMMs read
+    (``fp4compile.scale_layout``), the bytes of ``formats.swizzle_scales`` of the row-major ones.
 
     ``amax`` (NVFP4): x's own max |x|, computed by an earlier node (the ``fuse_amax`` pass has the
     operand's producer or ``fp4.wgrad_amax`` compute it); the kernel then makes no amax pass of its own.
@@ -234,7 +243,7 @@ def quantize(
     ``lower_kernels`` pass gives the step's base already mixed with the node's constant, a slice of
     ``fp4.sr_base``, and seed 0; without it the kernel reads the runtime's copy of the base).
     """
-    data, scales, amax = _quantize(x, fmt, block, rounding, seed, amax, seed_base=seed_base)
+    data, scales, amax = _quantize(x, fmt, block, rounding, seed, amax, seed_base=seed_base, layout=layout)
     _check_finite(check, amax, x)
     return data, scales, amax
 
@@ -248,12 +257,13 @@ def _check_finite(check: str, amax: torch.Tensor, x: torch.Tensor, rht_size: int
 
 
 @quantize.register_fake
-def _quantize_fake(x, fmt, block, rounding, seed, check, amax=None, seed_base=None):
+def _quantize_fake(x, fmt, block, rounding, seed, check, amax=None, seed_base=None, layout="row_major"):
     cols = formats._BLOCK_SHAPES[block][1]
     shape = x.shape[:-1]
+    rows = x.shape[0] if x.dim() == 2 else 0
     return (
         x.new_empty((*shape, x.shape[-1] // 2), dtype=torch.uint8),
-        x.new_empty((*shape, x.shape[-1] // cols), dtype=torch.uint8),
+        scale_layout.fake_scales(x, rows, x.shape[-1] // cols, layout, (*shape, x.shape[-1] // cols)),
         x.new_empty((), dtype=torch.float32),
     )
 
@@ -261,7 +271,7 @@ def _quantize_fake(x, fmt, block, rounding, seed, check, amax=None, seed_base=No
 @_kernel_op("fp4::rht_quantize")
 def rht_quantize(
     x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str,
-    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None,
+    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None, layout: str = "row_major",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fp4.quantize(fp4.rht(x, size), ...)`` in one op: what the weight-gradient operands need.
 
@@ -270,22 +280,25 @@ def rht_quantize(
     1x32 one Triton kernel, that reads x, transforms it summing in the reference's order, and quantizes)
     the RHT output is never written out. Elsewhere the op runs ``formats.rht`` and then the quantizer.
     A given ``amax`` (NVFP4) is that of ``formats.rht(x, size)`` (``fp4.wgrad_amax``'s second result);
-    ``seed_base`` as ``fp4.quantize``.
+    ``seed_base`` and ``layout`` as ``fp4.quantize``.
     """
+    scale_layout.check(layout, fmt, x, "fp4.rht_quantize")
     kernel = runtime.rht_quantize_kernel(x, size, fmt, block)
     if kernel is not None:
-        data, scales, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.rht_quantize", seed_base)
+        data, scales, amax = _run_kernel(
+            kernel, x, rounding, seed, fmt, amax, "fp4.rht_quantize", seed_base, **_swizzle(layout)
+        )
     else:
         data, scales, amax = _quantize(
-            formats.rht(x, size), fmt, block, rounding, seed, amax, "fp4.rht_quantize", seed_base
+            formats.rht(x, size), fmt, block, rounding, seed, amax, "fp4.rht_quantize", seed_base, layout
         )
     _check_finite(check, amax, x, size)
     return data, scales, amax
 
 
 @rht_quantize.register_fake
-def _(x, size, fmt, block, rounding, seed, check, amax=None, seed_base=None):
-    return _quantize_fake(x, fmt, block, rounding, seed, check)
+def _(x, size, fmt, block, rounding, seed, check, amax=None, seed_base=None, layout="row_major"):
+    return _quantize_fake(x, fmt, block, rounding, seed, check, layout=layout)
 
 
 @_kernel_op("fp4::wgrad_amax")
@@ -403,41 +416,47 @@ def _(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, am
 
 
 @_kernel_op("fp4::transpose_quantized")
-def transpose_quantized(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def transpose_quantized(
+    data: torch.Tensor, scales: torch.Tensor, layout: str = "row_major"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of W^T from those of W [N, K] quantized with NVFP4 16x16 tiles: codes [K, N/2] and
-    scales [K, N/16] (the tile scales, repeated on each row, as ``formats`` stores them). Bit for bit
-    what quantizing W^T gives (NUMERICS: one quantized weight for fprop and dgrad), without reading W."""
+    scales [K, N/16] (the tile scales, repeated on each row, as ``formats`` stores them), or with ``layout``
+    "swizzled" their tiled layout; W's scales in either layout (``scale_layout``). Bit for bit what
+    quantizing W^T gives (NUMERICS: one quantized weight for fprop and dgrad), without reading W."""
     n, k = (data.shape[0], data.shape[1] * 2) if data.dim() == 2 else (0, 0)
-    if data.dim() != 2 or n % 16 or k % 16 or tuple(scales.shape) != (n, k // 16):
+    tiled = scale_layout.is_swizzled(data, scales)
+    if data.dim() != 2 or n % 16 or k % 16 or (scales.numel() != scale_layout.swizzled_numel(n, k // 16) if tiled
+                                                else tuple(scales.shape) != (n, k // 16)):
         raise ValueError(
             f"fp4.transpose_quantized takes a 16x16-tile quantized [N, K] weight (N, K multiples of 16): "
             f"got codes {tuple(data.shape)} and scales {tuple(scales.shape)}"
         )
+    scale_layout.check(layout, "nvfp4", data, "fp4.transpose_quantized")
     if data.is_cuda:
         from fp4compile.codegen import triton_kernels
 
-        if triton_kernels.available()[0]:
-            return triton_kernels.transpose_tiles(data, scales)  # one Triton pass
-    t = _qtensor(data, scales, None, "nvfp4", "16x16", (n, k)).transpose()  # formats.QTensor.transpose
-    return t.data.view(torch.uint8), t.scales.view(torch.uint8)
+        if triton_kernels.available()[0]:  # one Triton pass
+            return triton_kernels.transpose_tiles(data, scales, swizzled=tiled, swizzle=layout == "swizzled")
+    t = _qtensor(data, scale_layout.row_major(data, scales), None, "nvfp4", "16x16", (n, k)).transpose()
+    return t.data.view(torch.uint8), scale_layout.arrange(t.scales.view(torch.uint8), layout)
 
 
 @transpose_quantized.register_fake
-def _(data, scales):
+def _(data, scales, layout="row_major"):
     n, k = data.shape[0], data.shape[1] * 2
-    return data.new_empty((k, n // 2)), scales.new_empty((k, n // 16))
+    return data.new_empty((k, n // 2)), scale_layout.fake_scales(scales, k, n // 16, layout)
 
 
 @_kernel_op("fp4::decode_blocks")
 def decode_blocks(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """value(code) * block scale in bfloat16 (exact) of NVFP4 codes [M, K/2] with E4M3 scales [M, K/16]:
     the operand an emulated GEMM (``fp4.emulated_mm``) reads, for operands quantized elsewhere (a weight
-    quantized once for fprop and dgrad). On CUDA one Triton pass."""
+    quantized once for fprop and dgrad), scales in either layout. On CUDA one Triton pass."""
     if data.is_cuda:
         from fp4compile.codegen import triton_kernels
 
         if triton_kernels.available()[0]:
-            return triton_kernels.block_decode(data, scales)
+            return triton_kernels.block_decode(data, scales, swizzled=scale_layout.is_swizzled(data, scales))
     return block_decode(data, scales, None, "nvfp4").to(torch.bfloat16)
 
 
@@ -482,8 +501,10 @@ def _(x, size):
 
 
 def block_decode(data, scales, amax, fmt: str) -> torch.Tensor:
-    """value(code) * block scale (fp32) of a packed GEMM operand [..., M, K/2] with 1-D blocks."""
+    """value(code) * block scale (fp32) of a packed GEMM operand [..., M, K/2] with 1-D blocks (scales in
+    either layout)."""
     block = "1x16" if fmt == "nvfp4" else "1x32"
+    scales = scale_layout.row_major(data, scales, 16 if fmt == "nvfp4" else 32)
     return formats.block_decode(_qtensor(data, scales, amax, fmt, block, (*data.shape[:-1], data.shape[-1] * 2)))
 
 

@@ -3,7 +3,8 @@
 Requires: ``insert_rht`` and ``insert_quantize`` (runs after ``lower_scaled_mm``).
 Guarantees: every ``fp4.quantize`` whose input is an ``fp4.rht`` node used by nothing else is replaced
 by ``fp4.rht_quantize(x, size, fmt, block, rounding, seed, check)`` with the same seed and check label,
-so the bits are those of the CPU reference of the two ops; the ``fp4.rht`` node is removed. The quantize metadata stays on
+so the bits are those of the CPU reference of the two ops (and the same scale ``layout``); the ``fp4.rht``
+node is removed. The quantize metadata stays on
 the new node, with ``rht`` set to the transform size. Operands quantized with a sharded amax
 (``fp4.quantize_sharded``) keep their separate RHT. Both formats are fused. On CUDA the fused op is
 one Triton kernel pair for NVFP4 (amax after the transform, then transform and quantize) and one
@@ -35,7 +36,7 @@ def fuse_rht_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule
             continue
         x, size = rht.args
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(RHT_QUANTIZE, (x, size, *node.args[1:]))
+            new = gm.graph.call_function(RHT_QUANTIZE, (x, size, *node.args[1:]), dict(node.kwargs))
         new.meta.update(node.meta)
         if "fp4_quantize" in node.meta:
             new.meta["fp4_quantize"] = dict(node.meta["fp4_quantize"], rht=size)

@@ -48,7 +48,8 @@ def test_every_supported_config_renders(config):
         f"Shape<_{config.tile_m}, _{config.tile_n}, _256>",
         f"Shape<_{config.cluster_m}, _{config.cluster_n}, _1>",
         "LinCombPerColBias",
-        "fusion.alpha_ptr = alpha;",
+        "fusion.a_amax_ptr = a_amax;",
+        "fusion.b_amax_ptr = b_amax;",
         "fusion.bias_ptr",
         "tile_atom_to_shape_SFA",
         f"size_t {config.name}_workspace_size(int m, int n, int k)",
@@ -109,10 +110,12 @@ def test_default_clusters():
 
 def test_alpha_constant_is_the_formats_decode_constant():
     src = cutlass_gemm.render(GemmConfig())
-    literal = re.search(r"float const inv_global = (0x[0-9a-fp.+-]+)f;", src).group(1)
+    literal = re.search(r"T const inv_global = T\((0x[0-9a-fp.+-]+)f\);", src).group(1)
     expected = torch.tensor(1.0 / formats.NVFP4_GLOBAL, dtype=torch.float32)
     assert torch.tensor(float.fromhex(literal), dtype=torch.float32).view(torch.int32) == expected.view(torch.int32)
-    assert "*alpha = (a_amax[0] * inv_global) * (b_amax[0] * inv_global);" in src
+    # formats.gemm_alpha's order, computed by the epilogue's two-pointer scalar broadcast: no kernel of its own.
+    assert "return (a_amax * inv_global) * (b_amax * inv_global);" in src
+    assert "Sm90ScalarBroadcast<" in src and ", 2," in src and "<<<" not in src
 
 
 def test_kernel_alpha_matches_the_emulated_gemm():
@@ -614,6 +617,8 @@ def test_real_sm100a_build_uses_block_scaled_tcgen05(real_cache, monkeypatch):
     assert ".target sm_100a" in ptx
     assert re.search(r"tcgen05\.mma\.cta_group::1\.kind::mxf4nvf4\.block_scale", ptx), "no NVFP4 block-scaled MMA"
     assert "block16" in ptx  # one scale per 16 elements (NVFP4), not 32 (MXFP4)
+    # One kernel: alpha is computed by the GEMM's epilogue, not by a kernel launched before it.
+    assert len(re.findall(r"^\.(?:visible )?\.?entry\s", ptx, re.M)) == 1, re.findall(r"\.entry\s+\S+", ptx)
     assert result.paths["cubin"].read_bytes()[:4] == b"\x7fELF"
     nm = shutil.which("nm")
     if nm:

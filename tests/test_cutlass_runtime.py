@@ -81,7 +81,8 @@ def _operands(m, n, k, seed=0):
 
 
 def _args(qa, qb):
-    return (qa.data, qa.scales, qa.amax, qb.data, qb.scales, qb.amax)
+    """The GEMM's operands with their scales in the tiled layout, as the quantizers write them for CUTLASS."""
+    return (qa.data, formats.swizzle_scales(qa.scales), qa.amax, qb.data, formats.swizzle_scales(qb.scales), qb.amax)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ def test_padded_wgrad_operands_are_bit_equal_to_emulation(blackwell, monkeypatch
     dy, x = torch.randn(272, 64, generator=gen), torch.randn(272, 96, generator=gen)
     qa = formats.quantize(formats.rht(dy.T.contiguous()), rounding="sr", seed=7)
     qb = formats.quantize(formats.rht(x.T.contiguous()))
-    a, sa, b, sb = cutlass_runtime.prepare_operands(qa.data, qa.scales, qb.data, qb.scales)
+    a, sa, b, sb = cutlass_runtime.prepare_operands(*_args(qa, qb)[:2], *_args(qa, qb)[3:5])
     assert a.shape == (64, 144) and b.shape == (96, 144)  # 288 / 2 bytes per row
     assert sa.numel() == formats.swizzle_scales(qa.scales).numel() == cutlass_gemm.expected_scales_numel(64, 288)
     assert torch.equal(a.view(torch.uint8)[:, 136:], torch.zeros(64, 8, dtype=torch.uint8))

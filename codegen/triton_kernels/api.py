@@ -11,7 +11,7 @@ import torch
 
 from .launch import (
     CONFIGS, Seed, _INPUT_DTYPES, _amax_arg, _as_rows, _hw_e4m3, _launch, _launch_options, _output_buffers,
-    _require_triton, _scales_bytes, _seed_args, _tiles,
+    _require_triton, _scales_buffer, _scales_bytes, _seed_args, _tiles,
 )
 from .numerics import _IMPORT_ERROR, triton
 
@@ -358,21 +358,28 @@ def block_decode(data: torch.Tensor, scales: torch.Tensor, swizzled: bool = Fals
     return _decode(data, scales, None, torch.bfloat16, swizzled, apply_amax=False)
 
 
-def transpose_tiles(data: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def transpose_tiles(
+    data: torch.Tensor, scales: torch.Tensor, swizzled: bool = False, swizzle: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [K, N/2], scales [K, N/16]) of W^T from the codes [N, K/2] and the E4M3 scale bytes [N, K/16]
     of a 16x16-tile quantized W [N, K] (N, K multiples of 16): ``formats.QTensor.transpose`` in one pass
-    over the packed weight (a permutation of codes and scales: no arithmetic)."""
+    over the packed weight (a permutation of codes and scales: no arithmetic). ``swizzled``: W's scales
+    are in the 128x4 tiled layout; ``swizzle``: W^T's are written in it (zero padded)."""
     _require_triton()
     n, k = data.shape[0], data.shape[1] * 2
     data = data.view(torch.uint8).contiguous()
     scales = scales.view(torch.uint8).contiguous()
+    expected = _scales_bytes(n, k // 16, swizzled)
+    if scales.numel() != expected:
+        raise ValueError(f"transpose_tiles: scales hold {scales.numel()} bytes; [{n}, {k // 16}] (swizzled={swizzled}) needs {expected}")
     out_data = torch.empty((k, n // 2), dtype=torch.uint8, device=data.device)
-    out_scales = torch.empty((k, n // 16), dtype=torch.uint8, device=data.device)
+    out_scales = _scales_buffer(k, n // 16, swizzle, data.device)
     cfg = CONFIGS["transpose_tiles"]
     grid = (triton.cdiv(n, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
     _launch(
         _transpose_tiles_kernel, grid,
-        data, scales, out_data, out_scales, n, k, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], **_launch_options(cfg),
+        data, scales, out_data, out_scales, n, k, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"],
+        IN_SWIZZLE=swizzled, SWIZZLE=swizzle, **_launch_options(cfg),
     )
     return out_data, out_scales
 

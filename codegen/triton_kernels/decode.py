@@ -7,7 +7,7 @@ from .numerics import tl, triton
 
 
 if triton is not None:
-    from .numerics import _INV_GLOBAL, _e2m1_value, _e4m3_value, _jit, _round_to
+    from .numerics import _INV_GLOBAL, _e2m1_value, _e4m3_value, _jit, _round_to, _scale_offset, _store_scales
 
     # ------------------------------------------------------------------------------------------
     # Decode, and the emulated GEMM's epilogue
@@ -33,11 +33,8 @@ if triton is not None:
         scols = pid_k * NB + tl.arange(0, NB)
         r = rows[:, None]
         c = scols[None, :]
-        if SWIZZLE:
-            soffset = (((r // 128) * ((K // 16 + 3) // 4) + c // 4) * 32 + r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
-        else:
-            soffset = r.to(tl.int64) * (K // 16) + c
-        sf = _e4m3_value(tl.load(scales_ptr + soffset, mask=row_ok[:, None] & (c < K // 16), other=0))
+        sf = _e4m3_value(tl.load(scales_ptr + _scale_offset(r, c, K // 16, SWIZZLE), mask=row_ok[:, None] & (c < K // 16),
+                                 other=0))
         if APPLY_AMAX:
             sf = (sf * tl.load(amax_ptr)) * _INV_GLOBAL
         out = _round_to(tl.reshape(_e2m1_value(codes) * sf[:, :, None], (BLOCK_M, BLOCK_K)), out_ptr.dtype.element_ty)
@@ -49,10 +46,12 @@ if triton is not None:
 
     @_jit()
     def _transpose_tiles_kernel(data_ptr, scales_ptr, out_data_ptr, out_scales_ptr, N, K,
-                                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                                BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                                IN_SWIZZLE: tl.constexpr = False, SWIZZLE: tl.constexpr = False):
         """Codes [K, N/2] and scales [K, N/16] of W^T from those of a 16x16-tile quantized W [N, K]: each
         [BLOCK_M, BLOCK_K] tile of codes unpacked, transposed and packed again; the tile scales (the
-        first row of each 16-row tile) transposed and repeated on the 16 rows of the output tile."""
+        first row of each 16-row tile) transposed and repeated on the 16 rows of the output tile. W's
+        scales are read from (IN_SWIZZLE), W^T's written to (SWIZZLE), the 128x4 tiled layout."""
         pid_m = tl.program_id(0)
         pid_k = tl.program_id(1)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -68,8 +67,9 @@ if triton is not None:
         # Scales: out[k, t] = in[16 t, k // 16].
         tiles = pid_m * (BLOCK_M // 16) + tl.arange(0, BLOCK_M // 16)
         tile_ok = (tiles < N // 16)[None, :] & (cols < K)[:, None]
-        sf = tl.load(scales_ptr + (tiles.to(tl.int64) * 16)[None, :] * (K // 16) + (cols // 16)[:, None], mask=tile_ok, other=0)
-        tl.store(out_scales_ptr + cols.to(tl.int64)[:, None] * (N // 16) + tiles[None, :], sf, mask=tile_ok)
+        sf = tl.load(scales_ptr + _scale_offset((tiles * 16)[None, :], (cols // 16)[:, None], K // 16, IN_SWIZZLE),
+                     mask=tile_ok, other=0)
+        _store_scales(out_scales_ptr, sf, cols[:, None], tiles[None, :], N // 16, tile_ok, SWIZZLE)
 
     @_jit()
     def _alpha_kernel(amax_a_ptr, amax_b_ptr, alpha_ptr, N, BLOCK: tl.constexpr):

@@ -333,14 +333,21 @@ if triton is not None:
         return lo, hi
 
     @_jit()
-    def _store_scales(scales_ptr, sf, r, c, n_cols, mask, SWIZZLE: tl.constexpr):
-        """Store scale codes sf at (row r, column c) (broadcastable with sf) of a row-major [rows, n_cols]
-        matrix, or at their 128x4-tile offsets (formats.swizzled_offset)."""
+    def _scale_offset(r, c, n_cols, SWIZZLE: tl.constexpr):
+        """Offset of scale (row r, column c) of a [rows, n_cols] scale matrix: row-major, or with SWIZZLE
+        in the 128x4 tiled layout (formats.swizzled_offset)."""
         if SWIZZLE:
-            offset = (((r // 128) * ((n_cols + 3) // 4) + c // 4) * 32 + r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+            offset = ((((r // 128) * ((n_cols + 3) // 4) + c // 4) * 32 + r % 32) * 16).to(tl.int64)
+            offset += ((r % 128) // 32) * 4 + c % 4
         else:
             offset = r.to(tl.int64) * n_cols + c
-        tl.store(scales_ptr + offset, sf, mask=mask)
+        return offset
+
+    @_jit()
+    def _store_scales(scales_ptr, sf, r, c, n_cols, mask, SWIZZLE: tl.constexpr):
+        """Store scale codes sf at (row r, column c) (broadcastable with sf) of a [rows, n_cols] scale
+        matrix in its layout (``_scale_offset``)."""
+        tl.store(scales_ptr + _scale_offset(r, c, n_cols, SWIZZLE), sf, mask=mask)
 
     @_jit()
     def _fixup_amax(amax_ptr, own_ptr, out_amax_ptr, first):
