@@ -263,7 +263,7 @@ def test_a_failing_grouped_kernel_is_an_error_unless_emulation_is_allowed(groupe
 def test_real_sm100a_grouped_build_uses_block_scaled_tcgen05(tmp_path):
     from test_codegen_cutlass import _toolchain_or_skip
 
-    from fp4compile.config import settings
+    from fp4compile import config as settings
 
     _toolchain_or_skip()
     config = GroupedGemmConfig("1sm", 128, "bf16")
