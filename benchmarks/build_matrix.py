@@ -1,14 +1,16 @@
 """Build every CUTLASS NVFP4 GEMM configuration with this machine's toolkit and record the outcome.
 
-    python benchmarks/build_matrix.py [--arch sm_100a ...] [--out FILE] [--budget-min 20] [--only NAME ...]
+    python benchmarks/build_matrix.py [--grouped] [--arch sm_100a ...] [--out FILE] [--budget-min 20] [--only NAME ...]
 
 For each target arch and each configuration of ``cutlass_gemm.supported_configs()`` (every tile,
-cluster, schedule and output dtype the templates take), it checks the toolkit
+cluster, schedule and output dtype the templates take), or with ``--grouped`` of the MoE grouped
+kernels' ``cutlass_grouped.supported_configs()``, it checks the toolkit
 (``cutlass_toolkit.toolkit_problem``), builds the kernel into the kernel cache and records: ok or the
 error, the compile seconds, the mainloop's pipeline stages and ptxas's registers and spill bytes
 (``cutlass_gemm.build_stats``). Progress goes to stdout, one line per configuration.
 
-Resumable: results are written to ``--out`` (default ``benchmarks/results/build_matrix_cuda<release>.json``)
+Resumable: results are written to ``--out`` (default ``benchmarks/results/build_matrix_cuda<release>.json``,
+``build_matrix_grouped_cuda<release>.json`` with ``--grouped``)
 after every configuration, and a configuration already recorded for the same toolkit, CUTLASS and
 template is skipped (the kernel cache also makes a rebuild free). ``--budget-min`` stops starting new
 builds after that many minutes; run again to continue.
@@ -25,15 +27,15 @@ import sys
 import time
 from pathlib import Path
 
-from fp4compile.codegen import build_cache, cutlass_gemm, cutlass_toolkit
+from fp4compile.codegen import build_cache, cutlass_gemm, cutlass_grouped, cutlass_toolkit
 
 
-def _identity() -> dict:
+def _identity(module) -> dict:
     nvcc = build_cache.find_nvcc()
     if nvcc is None:
         raise SystemExit("nvcc not found (set CUDA_HOME or FP4COMPILE_NVCC, or put nvcc on PATH)")
     version = build_cache.nvcc_version(nvcc)
-    template = cutlass_gemm._template_text(cutlass_gemm.KERNEL_TEMPLATE)
+    template = cutlass_gemm._template_text(module.KERNEL_TEMPLATE)
     return {
         "nvcc": version,
         "release": ".".join(map(str, build_cache.nvcc_release(version))),
@@ -52,6 +54,7 @@ def _save(path: Path, data: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grouped", action="store_true", help="the grouped (MoE) kernels' configurations")
     parser.add_argument("--arch", action="append", choices=cutlass_toolkit.SUPPORTED_ARCHS,
                         help="target architecture (repeatable; default sm_100a)")
     parser.add_argument("--out", type=Path, help="results file (JSON)")
@@ -59,19 +62,23 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", default=None, metavar="NAME", help="only these configuration names, in this order")
     args = parser.parse_args(argv)
     arches = args.arch or ["sm_100a"]
-    identity = _identity()
-    out = args.out or Path(__file__).parent / "results" / f"build_matrix_cuda{identity['release']}.json"
+    module = cutlass_grouped if args.grouped else cutlass_gemm
+    identity = _identity(module)
+    kind = "_grouped" if args.grouped else ""
+    out = args.out or Path(__file__).parent / "results" / f"build_matrix{kind}_cuda{identity['release']}.json"
     data = json.loads(out.read_text()) if out.exists() else {}
     if data.get("identity") != identity:
         data = {"identity": identity, "results": {}}  # another toolkit or template: start over
     data["machine"] = f"{platform.node()} ({os.cpu_count()} CPUs, {platform.platform()})"
-    configs = cutlass_gemm.supported_configs()
+    configs = module.supported_configs()
     if args.only is not None:
         by_name = {c.name: c for c in configs}
         unknown = [name for name in args.only if name not in by_name]
         if unknown:
-            raise SystemExit(f"unknown configurations {unknown}; see cutlass_gemm.supported_configs()")
+            raise SystemExit(f"unknown configurations {unknown}; see {module.__name__}.supported_configs()")
         configs = [by_name[name] for name in args.only]
+    elif args.grouped:
+        configs.sort(key=lambda c: ((c.schedule, c.tile_n) not in cutlass_grouped._CANDIDATE_TILES, c.out_dtype != "bf16"))
     else:
         # The selector's candidates first (they are what compiled models use), then the rest.
         candidates = {(s, n) for s, n in cutlass_gemm._CANDIDATE_TILES}
@@ -98,7 +105,7 @@ def main(argv=None) -> int:
             continue
         t0 = time.monotonic()
         try:
-            result = cutlass_gemm.build(config, arch=arch, progress=False)
+            result = module.build(config, arch=arch, progress=False)
         except cutlass_gemm.KernelBuildError as exc:
             record = {"status": "failed", "seconds": round(time.monotonic() - t0, 1), "error": str(exc)[-2000:]}
         else:

@@ -61,27 +61,11 @@ from .cutlass_toolkit import (
 )
 
 __all__ = [
-    "GemmConfig",
-    "BuildResult",
-    "KernelBuildError",
-    "SUPPORTED_ARCHS",
-    "OP_NAMESPACE",
-    "supported_configs",
-    "select_config",
-    "render",
-    "render_binding",
-    "build",
-    "load",
-    "scaled_mm",
-    "cache_dir",
-    "list_entries",
-    "cutlass_include_dirs",
-    "cutlass_version",
-    "device_supports_cutlass",
-    "arch_for_device",
-    "toolchain_available",
-    "expected_scales_numel",
-    "scale_layout_probe",
+    "GemmConfig", "BuildResult", "KernelBuildError", "SUPPORTED_ARCHS", "OP_NAMESPACE", "supported_configs",
+    "select_config", "render", "render_binding", "build", "load", "scaled_mm", "cache_dir", "list_entries",
+    "cutlass_include_dirs", "cutlass_version", "device_supports_cutlass", "arch_for_device",
+    "toolchain_available", "expected_scales_numel", "scale_layout_probe", "compile_kernel",
+    "find_prebuilt_entry", "load_op",
 ]
 
 OP_NAMESPACE = "fp4compile_cutlass"
@@ -446,12 +430,13 @@ def _torch_build_identity() -> dict:
     }
 
 
-def _build_material(config: GemmConfig, arch: str, nvcc: Optional[str]) -> dict:
+def _build_material(config, arch: str, nvcc: Optional[str], kind: str = "nvfp4_gemm",
+                    templates: tuple = (KERNEL_TEMPLATE, BINDING_TEMPLATE)) -> dict:
     """Everything a build's output depends on: its hash is the cache key."""
     return {
-        "kind": "nvfp4_gemm",
-        "kernel_template_sha256": hashlib.sha256(_template_text(KERNEL_TEMPLATE).encode()).hexdigest(),
-        "binding_template_sha256": hashlib.sha256(_template_text(BINDING_TEMPLATE).encode()).hexdigest(),
+        "kind": kind,
+        "kernel_template_sha256": hashlib.sha256(_template_text(templates[0]).encode()).hexdigest(),
+        "binding_template_sha256": hashlib.sha256(_template_text(templates[1]).encode()).hexdigest(),
         "config": dataclasses.asdict(config),
         "params": config.template_params(),
         "arch": arch,
@@ -470,44 +455,55 @@ def build(config: GemmConfig, arch: str = "sm_100a", progress: bool = True) -> B
     not a GPU). The torch extension module is linked too when torch has CUDA, which needs nvcc of the
     same CUDA major version as torch. Raises ``KernelBuildError`` when anything is missing or fails.
     """
+    return compile_kernel(
+        config.name, arch, lambda nvcc: _build_material(config, arch, nvcc), lambda: render(config),
+        lambda: render_binding(config), progress,
+    )
+
+
+def compile_kernel(name: str, arch: str, material_of: Callable, kernel_source: Callable, binding_source: Callable,
+                   progress: bool = True) -> BuildResult:
+    """Build (or find in the cache) the kernel ``name`` for ``arch``: ``material_of(nvcc)`` is what the
+    output depends on (the cache key), ``kernel_source()`` and ``binding_source()`` the two translation
+    units. Shared by every generated CUTLASS kernel (``cutlass_grouped`` too)."""
     arch_flag = gencode(arch)
     nvcc = check_toolkit(arch)  # before any compile: a toolkit that cannot build this arch or link with torch
     includes = cutlass_include_dirs()
-    material = _build_material(config, arch, nvcc)
+    material = material_of(nvcc)
     with_module = torch.version.cuda is not None
 
     def produce(tmp: Path) -> list[str]:
         files = _ENTRY_FILES
-        (tmp / files["cu"]).write_text(render(config))
-        (tmp / files["binding"]).write_text(render_binding(config))
+        (tmp / files["cu"]).write_text(kernel_source())
+        (tmp / files["binding"]).write_text(binding_source())
         keep_dir = tmp / "keep"
         keep_dir.mkdir()
         log = run_compiler(
             [nvcc, arch_flag, *NVCC_FLAGS, *(f"-I{d}" for d in includes),
              "-c", files["cu"], "-o", files["object"], "-keep", f"-keep-dir={keep_dir.name}"],
-            label=f"{config.name} for {arch}",
+            label=f"{name} for {arch}",
             progress=progress,
             cwd=tmp,
         )
         for suffix, target in ((".ptx", files["ptx"]), (".cubin", files["cubin"])):
             found = sorted(keep_dir.glob(f"*{suffix}"))
             if not found:
-                raise KernelBuildError(f"nvcc produced no {suffix} file for {config.name}", stderr=log)
+                raise KernelBuildError(f"nvcc produced no {suffix} file for {name}", stderr=log)
             shutil.move(str(found[0]), tmp / target)
         shutil.rmtree(keep_dir)
         kept = [files[k] for k in ("cu", "binding", "ptx", "cubin", "object")]
         if with_module:
-            log += _link_module(nvcc, tmp, files, config, progress)
+            log += _link_module(nvcc, tmp, files, name, progress)
             kept.append(files["module"])
         (tmp / files["log"]).write_text(log)
         return kept + [files["log"]]
 
-    entry = cached_build(config.name, material, produce, progress=progress)
+    entry = cached_build(name, material, produce, progress=progress)
     paths = {k: entry.file(v) for k, v in _ENTRY_FILES.items() if (entry.path / v).exists()}
     return BuildResult(paths=paths, from_cache=entry.from_cache, key=entry.key, entry_dir=entry.path)
 
 
-def _link_module(nvcc: str, tmp: Path, files: dict, config: GemmConfig, progress: bool) -> str:
+def _link_module(nvcc: str, tmp: Path, files: dict, name: str, progress: bool) -> str:
     """Compile the binding against torch and link it with the kernel object into module.so."""
     from torch.utils import cpp_extension
 
@@ -519,14 +515,20 @@ def _link_module(nvcc: str, tmp: Path, files: dict, config: GemmConfig, progress
         *(f"-L{d}" for d in cpp_extension.library_paths()),
         "-lc10", "-lc10_cuda", "-ltorch", "-ltorch_cpu", "-ltorch_cuda", "-cudart=shared",
     ]
-    return run_compiler(cmd, label=f"torch binding of {config.name}", progress=progress, cwd=tmp)
+    return run_compiler(cmd, label=f"torch binding of {name}", progress=progress, cwd=tmp)
 
 
 def find_prebuilt(config: GemmConfig, arch: str) -> Optional[BuildResult]:
     """A verified cache entry of ``config`` for ``arch`` with a torch extension module built for this
     torch by any nvcc (a cache filled ahead of time on another machine), or None."""
+    return find_prebuilt_entry(lambda: _build_material(config, arch, None))
+
+
+def find_prebuilt_entry(material_of: Callable) -> Optional[BuildResult]:
+    """The newest verified cache entry whose material, nvcc aside, is ``material_of()`` and that holds
+    a torch extension module, or None."""
     try:
-        want = {k: v for k, v in _build_material(config, arch, None).items() if k != "nvcc"}
+        want = {k: v for k, v in material_of().items() if k != "nvcc"}
     except KernelBuildError:  # no CUTLASS headers: their version is part of the material
         return None
     for entry in reversed(list_entries()):
@@ -556,7 +558,7 @@ def build_stats(result: BuildResult) -> dict:
     return stats
 
 
-_LOADED: dict[tuple[GemmConfig, str], Callable] = {}
+_LOADED: dict[tuple[str, str], Callable] = {}
 
 
 def load(config: GemmConfig, arch: Optional[str] = None, progress: bool = True, device=None) -> Callable:
@@ -569,25 +571,32 @@ def load(config: GemmConfig, arch: Optional[str] = None, progress: bool = True, 
     scalars, bias [N] or None; all on one CUDA device. Raises ``KernelBuildError`` when the module
     cannot be built or loaded here.
     """
+    arch = arch or arch_for_device(device)
+    return load_op(config.name, arch, lambda: build(config, arch=arch, progress=progress),
+                   lambda: find_prebuilt(config, arch))
+
+
+def load_op(name: str, arch: str, build_it: Callable, prebuilt: Callable) -> Callable:
+    """``torch.ops.fp4compile_cutlass.<name>`` for ``arch``, loading its module once per process: from
+    ``build_it()``, else (no usable nvcc here) from ``prebuilt()``, a build made ahead of time."""
     if torch.version.cuda is None:
         raise KernelBuildError(f"torch {torch.__version__} has no CUDA: the CUTLASS kernel module cannot be loaded")
-    arch = arch or arch_for_device(device)
-    if (config, arch) not in _LOADED:
+    if (name, arch) not in _LOADED:
         try:
-            result = build(config, arch=arch, progress=progress)
+            result = build_it()
         except KernelBuildError:
             # No (usable) nvcc here: a build made ahead of time by another toolkit for this torch serves.
-            result = find_prebuilt(config, arch)
+            result = prebuilt()
             if result is None:
                 raise
         if result.module is None:
             raise KernelBuildError(f"the cache entry {result.entry_dir} has no torch extension module")
         try:
             torch.ops.load_library(str(result.module))
-            _LOADED[config, arch] = getattr(getattr(torch.ops, OP_NAMESPACE), config.name)
+            _LOADED[name, arch] = getattr(getattr(torch.ops, OP_NAMESPACE), name)
         except (OSError, RuntimeError, AttributeError) as exc:
             raise KernelBuildError(f"cannot load {result.module}: {exc}") from exc
-    return _LOADED[config, arch]
+    return _LOADED[name, arch]
 
 
 def scaled_mm(

@@ -22,8 +22,11 @@ amax 0 and contributes nothing; its weight gradient is zero.
 ``fp4.grouped_gemm(a, b, offs, role, ...)`` is the emulated grouped GEMM of one role (fprop: Y = X W^T,
 dgrad: dX = dY W, wgrad: dW = dY^T X per expert, with the RHT and SR of the recipe): quantize, decode,
 multiply per expert in fp32, alpha per expert, cast; ``GroupedLinear`` (``linear``) is the autograd
-function whose forward and backward are those three ops. On Blackwell a CUTLASS grouped block-scaled
-kernel is not generated yet: every device runs this emulation (see docs/models.md).
+function whose forward and backward are those three ops. Each call names its kernel: ``grouped
+emulation`` (CPU, Hopper and other GPUs, shapes the kernel does not take), or on Blackwell a generated
+CUTLASS grouped block-scaled GEMM ``cutlass_grouped:<config>`` (``codegen.cutlass_grouped``), one
+launch for all experts of the role on the same quantized operands, which falls back to this emulation
+only where the recipe allows it (see docs/models.md and docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -162,25 +165,56 @@ def _padded_tokens(t: torch.Tensor, counts: Sequence[int]) -> tuple[torch.Tensor
     return padded.t(), widths
 
 
-def _grouped_gemm(a, b, offs, role: str, rht: bool, sr: bool, seeds_a: list[int], seeds_b: list[int], dtype):
+EMULATION = "grouped emulation"
+
+
+def _wgrad_operands(dy, x, counts, rht: bool, sr: bool, seeds_a, seeds_b):
+    """dW_e = dY_e^T X_e: both operands along each expert's tokens, padded to 16, RHT'd, quantized in
+    1x16 blocks there -> (token group widths, dY^T's (codes, scales, amax), X^T's)."""
+    dyt, widths = _padded_tokens(dy, counts)
+    xt, _ = _padded_tokens(x, counts)
+    if rht:
+        dyt, xt = formats.rht(dyt, BLOCK), formats.rht(xt, BLOCK)
+    return widths, quantize_columns(dyt, widths, _stream(seeds_a, sr)), quantize_columns(xt, widths, _stream(seeds_b, False))
+
+
+def _on_cutlass(kernel: str, a, b, counts, role: str, rht: bool, sr: bool, seeds_a, seeds_b, dtype):
+    """The role's GEMM on the CUTLASS grouped kernel ``kernel`` names, on the operands the emulation
+    quantizes (dgrad's W^T from W's 16x16 tiles read transposed: the same codes and scales); None when
+    the kernel failed on this device and the recipe allows emulation."""
+    from fp4compile.codegen import cutlass_grouped_runtime as cgr
+
+    launch = cgr.kernel_for(kernel, a.device)
+    if launch is None:
+        return None
+    if role == "wgrad":
+        widths, (ca, sa, amax_a), (cb, sb, amax_b) = _wgrad_operands(a, b, counts, rht, sr, seeds_a, seeds_b)
+        packed = cgr.pack_token_slabs(ca, sa, cb, sb, widths, dtype)
+    else:
+        ca, sa, amax_a = quantize_rows(a, counts, _stream(seeds_a, sr and role == "dgrad"))
+        cb, sb, amax_b = quantize_weight(b.transpose(1, 2).contiguous() if role == "dgrad" else b)
+        packed = cgr.pack_rows(ca, sa, counts, cb, sb, dtype)
+    return cgr.run(kernel, launch, packed, amax_a, amax_b)
+
+
+def _grouped_gemm(a, b, offs, role: str, rht: bool, sr: bool, seeds_a: list[int], seeds_b: list[int], dtype,
+                  kernel: str = EMULATION):
     counts = counts_from_offsets(offs)
     experts = len(counts)
+    if role != "wgrad" and (b.dim() != 3 or b.shape[0] != experts):
+        raise ValueError(f"fp4compile: grouped {role} GEMM: weight of shape {tuple(b.shape)} for {experts} experts' offsets")
+    if kernel != EMULATION:
+        out = _on_cutlass(kernel, a, b, counts, role, rht, sr, seeds_a, seeds_b, dtype)
+        if out is not None:
+            return out
     if role == "wgrad":
-        # dW_e = dY_e^T X_e: both operands along each expert's tokens, padded, RHT'd, 1x16 blocks there.
-        dyt, widths = _padded_tokens(a, counts)
-        xt, _ = _padded_tokens(b, counts)
-        if rht:
-            dyt, xt = formats.rht(dyt, BLOCK), formats.rht(xt, BLOCK)
-        ca, sa, amax_a = quantize_columns(dyt, widths, _stream(seeds_a, sr))
-        cb, sb, amax_b = quantize_columns(xt, widths, _stream(seeds_b, False))
+        widths, (ca, sa, amax_a), (cb, sb, amax_b) = _wgrad_operands(a, b, counts, rht, sr, seeds_a, seeds_b)
         a_bd, b_bd = _decode(ca, sa), _decode(cb, sb)
         out = torch.zeros(experts, a.shape[1], b.shape[1], dtype=torch.float32, device=a.device)
         for e, start, end in _spans(widths):
             if end > start:
                 out[e] = _product(a_bd[:, start:end], b_bd[:, start:end], amax_a[e], amax_b[e])
         return out.to(dtype)
-    if b.dim() != 3 or b.shape[0] != experts:
-        raise ValueError(f"fp4compile: grouped {role} GEMM: weight of shape {tuple(b.shape)} for {experts} experts' offsets")
     ca, sa, amax_a = quantize_rows(a, counts, _stream(seeds_a, sr and role == "dgrad"))
     cw, sw, amax_w = quantize_weight(b)
     a_bd, w_bd = _decode(ca, sa), _decode(cw, sw)
@@ -196,7 +230,7 @@ def _grouped_gemm(a, b, offs, role: str, rht: bool, sr: bool, seeds_a: list[int]
 @torch.library.custom_op("fp4::grouped_gemm", mutates_args=())
 def grouped_gemm(
     a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, role: str, rht: bool, sr: bool,
-    seeds_a: list[int], seeds_b: list[int], dtype: torch.dtype,
+    seeds_a: list[int], seeds_b: list[int], dtype: torch.dtype, kernel: str = EMULATION,
 ) -> torch.Tensor:
     """One role of a grouped site's GEMMs, emulated in NVFP4 with per-expert scales:
 
@@ -205,14 +239,15 @@ def grouped_gemm(
     - wgrad: a = dY [S, N], b = X [S, K] -> dW [E, N, K] (RHT along each expert's tokens if ``rht``,
       dY^T SR if ``sr``, X^T RNE).
 
-    ``seeds_a``/``seeds_b``: the SR node constants of operands a and b, one per expert."""
+    ``seeds_a``/``seeds_b``: the SR node constants of operands a and b, one per expert. ``kernel``:
+    ``grouped emulation`` or a ``cutlass_grouped:<config>[+emulation]`` name (Blackwell)."""
     if role not in ("fprop", "dgrad", "wgrad"):
         raise ValueError(f"fp4compile: grouped GEMM role must be fprop, dgrad or wgrad, got {role!r}")
-    return _grouped_gemm(a, b, offs, role, rht, sr, seeds_a, seeds_b, dtype)
+    return _grouped_gemm(a, b, offs, role, rht, sr, seeds_a, seeds_b, dtype, kernel)
 
 
 @grouped_gemm.register_fake
-def _(a, b, offs, role, rht, sr, seeds_a, seeds_b, dtype):
+def _(a, b, offs, role, rht, sr, seeds_a, seeds_b, dtype, kernel=EMULATION):
     if role == "wgrad":
         return a.new_empty((offs.shape[0], a.shape[1], b.shape[1]), dtype=dtype)
     return a.new_empty((a.shape[0], b.shape[1] if role == "fprop" else b.shape[2]), dtype=dtype)
@@ -221,27 +256,28 @@ def _(a, b, offs, role, rht, sr, seeds_a, seeds_b, dtype):
 class GroupedLinear(torch.autograd.Function):
     """Y = X_e W_e^T per expert whose fprop, dgrad and wgrad are ``fp4.grouped_gemm`` calls.
 
-    ``plan`` = (rht, sr, seeds): seeds holds the SR node constants per expert of (fprop a, fprop b,
-    dgrad a, dgrad b, wgrad a, wgrad b), as ``site_plan`` makes them."""
+    ``plan`` = (rht, sr, seeds, kernels): seeds holds the SR node constants per expert of (fprop a,
+    fprop b, dgrad a, dgrad b, wgrad a, wgrad b), kernels the kernel names of (fprop, dgrad, wgrad),
+    as ``site_plan`` makes them."""
 
     @staticmethod
     def forward(ctx, x, w, offs, plan, dtype):
-        rht, sr, seeds = plan
+        rht, sr, seeds, kernels = plan
         ctx.save_for_backward(x, w, offs)
         ctx.plan, ctx.dtype = plan, dtype
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
-        return torch.ops.fp4.grouped_gemm(x, w, offs, "fprop", rht, sr, [*seeds[0]], [*seeds[1]], dtype)
+        return torch.ops.fp4.grouped_gemm(x, w, offs, "fprop", rht, sr, [*seeds[0]], [*seeds[1]], dtype, kernels[0])
 
     @staticmethod
     def backward(ctx, dy):
         x, w, offs = ctx.saved_tensors
-        (rht, sr, seeds), dtype = ctx.plan, ctx.dtype
+        (rht, sr, seeds, kernels), dtype = ctx.plan, ctx.dtype
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.fp4.grouped_gemm(dy, w, offs, "dgrad", rht, sr, [*seeds[2]], [*seeds[3]], dtype)
+            dx = torch.ops.fp4.grouped_gemm(dy, w, offs, "dgrad", rht, sr, [*seeds[2]], [*seeds[3]], dtype, kernels[1])
             dx = dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = torch.ops.fp4.grouped_gemm(dy, x, offs, "wgrad", rht, sr, [*seeds[4]], [*seeds[5]], dtype)
+            dw = torch.ops.fp4.grouped_gemm(dy, x, offs, "wgrad", rht, sr, [*seeds[4]], [*seeds[5]], dtype, kernels[2])
             dw = dw.to(ctx.w_dtype)
         return dx, dw, None, None, None
 
@@ -251,12 +287,13 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
 
 
-def site_plan(recipe, site: str, experts: int) -> tuple:
-    """``GroupedLinear``'s plan for a grouped site named ``site`` under ``recipe``."""
+def site_plan(recipe, site: str, experts: int, kernels: Sequence[str] = (EMULATION,) * 3) -> tuple:
+    """``GroupedLinear``'s plan for a grouped site named ``site`` under ``recipe`` whose (fprop, dgrad,
+    wgrad) GEMMs run on ``kernels``."""
     seeds = tuple(
         tuple(expert_seeds(recipe.seed, site, role, i, experts)) for role in ("fprop", "dgrad", "wgrad") for i in (0, 1)
     )
-    return recipe.rht, recipe.stochastic_rounding, seeds
+    return recipe.rht, recipe.stochastic_rounding, seeds, tuple(kernels)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: tuple) -> torch.Tensor:

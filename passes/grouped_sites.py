@@ -103,8 +103,12 @@ def form_seen(model, module: str, form: str) -> str:
     return FORM_NOTES.get(written, form)
 
 
-def plan_roles(site, recipe, weight_grad: bool) -> None:
-    """The site's three GEMMs as ``fp4.grouped_gemm`` computes them (the aot passes do not rewrite it)."""
+def plan_roles(site, recipe, weight_grad: bool, device=None, out_dtype=None) -> tuple:
+    """The site's three GEMMs as ``fp4.grouped_gemm`` computes them (the aot passes do not rewrite it),
+    each with its kernel (``cutlass_grouped_runtime.choose`` for ``device`` and ``out_dtype``; the
+    grouped emulation where either is unknown); returns the kernel names of (fprop, dgrad, wgrad).
+    On a Blackwell GPU a role without a kernel is an error naming the site unless the recipe allows
+    emulation."""
     t, n, k = site.tokens, site.out_features, site.in_features
     sr = ("sr" if recipe.stochastic_rounding else "rne")
     reason = f"{site.reason}; grouped over {site.experts} experts, per-expert scales"
@@ -116,28 +120,41 @@ def plan_roles(site, recipe, weight_grad: bool) -> None:
         if weight_grad:
             site.roles["wgrad"] = RoleInfo("wgrad", site.precision, reason + "; each expert's tokens padded to 16",
                                            (n, k, t), rht=recipe.rht, blocks=("1x16", "1x16"), rounding=(sr, "rne"))
-    for info in site.roles.values():
-        info.kernel = "grouped emulation"
-        info.kernel_reason = "no CUTLASS grouped kernel yet: per-expert emulated NVFP4 GEMMs"
+    from fp4compile.codegen import CutlassRequired, KernelChoice, cutlass_grouped_runtime as cgr
+
+    for role, info in site.roles.items():
+        if device is None or out_dtype is None:
+            choice = KernelChoice(cgr.EMULATION, "per-expert emulated NVFP4 GEMMs: the site's device is unknown")
+        else:
+            try:
+                choice = cgr.choose(role, n, k, site.input_shape[0], site.experts, out_dtype, device, recipe.allow_emulation)
+            except CutlassRequired as exc:
+                shape = "x".join(str(d) for d in info.shape)
+                raise CutlassRequired(
+                    f"{site.name} {role} GEMM (grouped over {site.experts} experts, M x N x K = {shape}): {exc}"
+                ) from None
+        info.kernel, info.kernel_reason = choice.name, choice.reason
+    return tuple(site.roles[r].kernel if r in site.roles else cgr.EMULATION for r in ("fprop", "dgrad", "wgrad"))
 
 
 def mark(gm: fx.GraphModule, node: fx.Node, site, recipe) -> fx.Node:
     """Insert the NVFP4 grouped GEMM that replaces ``node`` (before it); returns the new node."""
-    plan = grouped.site_plan(recipe, site.name, site.experts)
     if site.kind == "grouped_mm":
         args = list(node.args) + [None] * 3
-        offs = node.kwargs.get("offs", args[2])
         weight = args[1]
-        new = gm.graph.call_function(grouped.grouped_mm, (args[0], weight, offs, plan))
     else:
         first, second = node.args
         weight_first = first.op == "call_function" and first.target is operator.getitem and len(_shape(first.args[0])) == 3
         weight = first if weight_first else second
-        w, ids = weight.args
-        operands = (w, second) if weight_first else (first, w)
-        new = gm.graph.call_function(grouped.gathered_bmm, (*operands, ids, weight_first, plan))
-    plan_roles(site, recipe, _requires_grad(weight))
-    return new
+    out = example_tensor(node)
+    kernels = plan_roles(site, recipe, _requires_grad(weight), *((out.device, out.dtype) if out is not None else ()))
+    plan = grouped.site_plan(recipe, site.name, site.experts, kernels)
+    if site.kind == "grouped_mm":
+        offs = node.kwargs.get("offs", args[2])
+        return gm.graph.call_function(grouped.grouped_mm, (args[0], weight, offs, plan))
+    w, ids = weight.args
+    operands = (w, second) if weight_first else (first, w)
+    return gm.graph.call_function(grouped.gathered_bmm, (*operands, ids, weight_first, plan))
 
 
 def _requires_grad(weight: fx.Node) -> bool:

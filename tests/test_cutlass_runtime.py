@@ -62,14 +62,15 @@ def blackwell(monkeypatch):
     cutlass_runtime.reset()
 
 
-def _loader(monkeypatch, make_kernel):
+def _loader(monkeypatch, make_kernel, module=cutlass_gemm):
+    """Replace ``module.load`` by one that records the configurations it loads and returns ``make_kernel(config)``."""
     loads = []
 
     def load(config, arch=None, progress=True, device=None):
         loads.append(config.name)
         return make_kernel(config)
 
-    monkeypatch.setattr(cutlass_gemm, "load", load)
+    monkeypatch.setattr(module, "load", load)
     return loads
 
 
