@@ -16,6 +16,7 @@ frame runs its own compilation (see ``_ModelScope``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import warnings
@@ -385,19 +386,57 @@ def _all_high_precision(gm, ctx):
 _all_high_precision.pass_name = "switch_to_high_precision"
 
 
+@functools.lru_cache(maxsize=1)
+def _code_version() -> bytes:
+    """A hash of fp4compile's installed code: its modules, passes, code generators and kernel templates."""
+    from pathlib import Path
+
+    from torch._inductor.custom_graph_pass import get_hash_for_files
+
+    import fp4compile.codegen
+    import fp4compile.cutlass_templates
+    import fp4compile.passes
+
+    folders = {Path(m.__file__).resolve().parent for m in (
+        fp4compile, fp4compile.passes, fp4compile.codegen, fp4compile.cutlass_templates)}
+    files = sorted(str(f) for d in folders for f in d.rglob("*") if f.suffix in (".py", ".j2", ".cu", ".cuh", ".cpp"))
+    return get_hash_for_files(tuple(files), extra="fp4compile")
+
+
+def _version_pass():
+    """A post-grad pass that changes nothing and whose ``uuid()`` is fp4compile's code version: Inductor's
+    FX graph cache keys its entries on it, so a graph compiled by another version of fp4compile (whose
+    ops, kernels or generated calls may differ) is compiled again rather than served from the cache."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _CodeVersion(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            return None
+
+        def uuid(self) -> bytes:
+            return _code_version()
+
+    return _CodeVersion()
+
+
 def _compile_inductor(gm, example_inputs, aot_passes, config_patches):
     """Inductor's compile of ``gm`` with fp4compile's passes run on the forward and backward graphs.
 
-    The passes run on every compile; Inductor's FX graph cache, keyed on the graphs they produce, serves
-    the compiled code of a graph it has seen (a restarted job). AOTAutograd's own cache, which would skip
-    the passes, does not take graphs that call ``fp4_linear``."""
+    The passes run on every compile; Inductor's FX graph cache, keyed on the graphs they produce and on
+    fp4compile's code version (``_version_pass``), serves the compiled code of a graph it has seen (a
+    restarted job). AOTAutograd's own cache, which would skip the passes, does not take graphs that call
+    ``fp4_linear``."""
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
     def inner_compile(graph, inputs, **kwargs):
         stage = "backward" if kwargs.get("is_backward") else "forward"
         return compile_fx_inner(aot_passes(graph, stage), inputs, **kwargs)
 
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=config_patches or None)
+    user = config_patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
+    patches = {**config_patches, "post_grad_custom_pre_pass": [*get_custom_graph_passes(user), _version_pass()]}
+    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 
 def _compile_eager(gm, example_inputs, aot_passes):
