@@ -50,17 +50,17 @@ Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (sl
 
 The package is laid out by job: ``numerics`` (the device functions every kernel shares), ``rows``,
 ``rht``, ``mx`` and ``decode`` (the kernels by family), ``launch`` (launch parameters, grids, input
-checks, the launch) and ``api`` (the functions above and the providers).
+checks, the launch), ``api`` (the functions above) and ``dispatch`` (each op's check and call for the
+executor table, ``fp4compile.executors``).
 """
 
 from __future__ import annotations
 
-from . import api, decode, launch, mx, numerics, rht, rows
+from . import api, decode, dispatch, launch, mx, numerics, rht, rows
 from .api import (
     available, global_amax, wgrad_amax, quantize_1x16, quantize_16x16, quantize_wgrad_operand, quantize_mxfp4,
     quantize_wgrad_operand_mxfp4, fake_quantize_1x16, fake_quantize_16x16, fake_quantize_wgrad_operand,
-    fake_quantize_dual, dequantize, block_decode, transpose_tiles, emulated_scaled_mm, gemm_alpha, quantize_provider,
-    rht_quantize_provider, fake_quantize_provider, fake_rht_quantize_provider, fake_dual_quantize_provider,
+    fake_quantize_dual, dequantize, block_decode, transpose_tiles, emulated_scaled_mm, gemm_alpha,
 )
 from .launch import CONFIGS
 
@@ -82,10 +82,5 @@ __all__ = [
     "transpose_tiles",
     "emulated_scaled_mm",
     "gemm_alpha",
-    "quantize_provider",
-    "rht_quantize_provider",
-    "fake_quantize_provider",
-    "fake_rht_quantize_provider",
-    "fake_dual_quantize_provider",
     "CONFIGS",
 ]
