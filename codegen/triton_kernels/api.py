@@ -396,7 +396,7 @@ def emulated_scaled_mm(
     """C = A @ B^T for block-decoded operands A [M, K], B [N, K] (bf16, from fake_quantize_* or block_decode).
 
     fp32 accumulation, then ``cast(acc * alpha)`` with ``alpha = formats.gemm_alpha(amax_a, amax_b)``: the
-    arithmetic of ``ops.scaled_mm_reference``, up to the GEMM's summation order. On CUDA with
+    arithmetic of ``reference.scaled_mm_reference``, up to the GEMM's summation order. On CUDA with
     ``codegen.cublaslt_gemm`` enabled, one cuBLASLt GEMM reads alpha in its epilogue and writes the
     bfloat16 output; otherwise ``torch.mm`` writes fp32 and ``_epilogue_kernel`` applies alpha.
     """
