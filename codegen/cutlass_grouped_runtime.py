@@ -4,7 +4,7 @@ Choice (``choose``, what ``passes/grouped_sites`` calls for each role of a group
 building nothing): on an sm_100-class GPU with CUDA torch, a configuration from
 ``cutlass_grouped.select_grouped_config`` named ``cutlass_grouped:<config>`` (``+emulation`` when the
 recipe allows emulation); anywhere else, or for a shape the kernel does not take, ``grouped emulation``
-with the reason, which on a Blackwell GPU is an error (``codegen.CutlassRequired``) unless
+with the reason, which on a Blackwell GPU is an error (``executors.CutlassRequired``) unless
 ``Recipe.allow_emulation``. A fallback is logged once per reason.
 
 Packing (``pack_rows`` for fprop and dgrad, ``pack_token_slabs`` for wgrad): the quantized operands of
@@ -27,7 +27,7 @@ import functools
 import logging
 import re
 import warnings
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -57,10 +57,17 @@ def parse_kernel(kernel: str) -> tuple[GroupedGemmConfig, bool]:
     return GroupedGemmConfig.from_name(match.group(1)), match.group(2) is not None
 
 
+class GroupedChoice(NamedTuple):
+    """The kernel string a grouped GEMM role carries, and why it was chosen."""
+
+    name: str
+    reason: str
+
+
 def choose(role: str, out_features: int, in_features: int, tokens, experts: int, out_dtype: torch.dtype,
-           device, allow_emulation: bool = True):
-    """The kernel (``codegen.KernelChoice``) for one role of a grouped site on ``device``. Pure."""
-    from fp4compile import codegen
+           device, allow_emulation: bool = True) -> GroupedChoice:
+    """The kernel for one role of a grouped site on ``device``. Pure."""
+    from fp4compile.executors import CutlassRequired, is_blackwell
 
     device = torch.device(device)
     config, why = None, f"device {device} is not a CUDA GPU"
@@ -69,17 +76,17 @@ def choose(role: str, out_features: int, in_features: int, tokens, experts: int,
         if ok:
             config, why = cutlass_grouped.select_grouped_config(role, out_features, in_features, tokens, experts, out_dtype)
     if config is not None:
-        return codegen.KernelChoice(kernel_name(config, allow_emulation), why)
-    if codegen.is_blackwell(device):
+        return GroupedChoice(kernel_name(config, allow_emulation), why)
+    if is_blackwell(device):
         if not allow_emulation:
-            raise codegen.CutlassRequired(
+            raise CutlassRequired(
                 f"{why}; on a Blackwell GPU FP4 GEMMs run on CUTLASS kernels only: "
                 "Recipe(allow_emulation=True) (or Backend(allow_emulation=True)) runs such GEMMs in emulation"
             )
         if why not in _logged:
             _logged.add(why)
             log.warning("fp4compile: grouped expert GEMMs run in emulation on this Blackwell GPU: %s", why)
-    return codegen.KernelChoice(EMULATION, f"per-expert emulated NVFP4 GEMMs: {why}")
+    return GroupedChoice(EMULATION, f"per-expert emulated NVFP4 GEMMs: {why}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -170,7 +170,7 @@ def self_test(config: GemmConfig, kernel: Callable, device) -> None:
     ``SelfTestError`` with the reason when it raises, returns the wrong shape or dtype, or differs by
     more than a different fp32 accumulation order (2 K ulp of the sum of |products|) plus the output's
     rounding (one ulp) can explain."""
-    from fp4compile import formats, ops
+    from fp4compile import formats, reference
 
     m, n, k = _self_test_shape(config)
     gen = torch.Generator().manual_seed(0)
@@ -193,10 +193,10 @@ def self_test(config: GemmConfig, kernel: Callable, device) -> None:
             f"{what} returned {out.dtype} of shape {tuple(out.shape)}, expected {config.torch_out_dtype} {(m, n)}"
         )
     args = (qa.data, qa.scales, qa.amax, qb.data, qb.scales, qb.amax, "nvfp4")
-    ref = ops.scaled_mm_reference(*args, torch.float32).double()
+    ref = reference.scaled_mm_reference(*args, torch.float32).double()
     alpha = formats.gemm_alpha(qa.amax, qb.amax).double()
-    magnitude = (ops.block_decode(qa.data, qa.scales, qa.amax, "nvfp4").double().abs()
-                 @ ops.block_decode(qb.data, qb.scales, qb.amax, "nvfp4").double().abs().T) * alpha
+    magnitude = (reference.block_decode(qa.data, qa.scales, qa.amax, "nvfp4").double().abs()
+                 @ reference.block_decode(qb.data, qb.scales, qb.amax, "nvfp4").double().abs().T) * alpha
     output_ulp = torch.finfo(config.torch_out_dtype).eps
     bound = 2 * k * 2.0**-24 * magnitude + output_ulp * ref.abs() + torch.finfo(torch.float32).tiny
     got = out.double().cpu()

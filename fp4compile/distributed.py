@@ -42,7 +42,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import formats, ops
+from . import formats, ops, reference
 
 TENSORS = ("X", "W", "dY")
 
@@ -152,7 +152,7 @@ def quantize_sharded(
     """``fp4.quantize`` of one shard of a tensor sharded over ``group``: the global amax is all-reduced
     (MAX) over the group first, so the codes and scales are those of the full tensor's quantization."""
     amax = all_reduce_amax(x, group)
-    stream = ops._host_stream(x, rounding, seed, "fp4.quantize_sharded")
+    stream = reference.host_stream(x, rounding, seed, "fp4.quantize_sharded")
     q = formats.quantize(x, fmt, block, rounding, seed=stream, amax=amax)
     ops._check_finite(check, q.amax, x)
     return q.data.view(torch.uint8), q.scales.view(torch.uint8), q.amax

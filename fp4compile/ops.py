@@ -1,9 +1,11 @@
 """The ``fp4`` operator namespace: the nodes the passes insert into FX graphs.
 
-Each op has a reference implementation (fp4compile.formats, any device), a fake implementation for
-tracing, and, where the codegen module has one, a faster kernel. Tensors cross op boundaries in plain
-dtypes (packed E2M1 codes and E4M3/E8M0 scales as ``uint8``) so that every inner compiler can hold them
-in buffers; ``formats.QTensor`` is rebuilt inside the implementations.
+Each op has a reference implementation (``fp4compile.reference``, any device), a fake implementation
+for tracing, and, where the codegen module has one, a faster kernel; the ops that have several run
+through the executor table (``fp4compile.executors``), which picks an implementation per call and says
+why. Tensors cross op boundaries in plain dtypes (packed E2M1 codes and E4M3/E8M0 scales as ``uint8``)
+so that every inner compiler can hold them in buffers; ``formats.QTensor`` is rebuilt inside the
+implementations.
 
 | op | meaning |
 |---|---|
@@ -34,9 +36,10 @@ from typing import Optional
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from . import formats
-from . import runtime
-from . import scale_layout
+from . import executors, formats, runtime, scale_layout
+# The reference GEMM and decode, where the ops' callers have always found them.
+from .reference import block_decode, qtensor as _qtensor, scaled_mm_reference  # noqa: F401
+
 
 def _custom_op(name: str):
     """``torch.library.custom_op(name)`` for a function without mutated arguments: an op that stays one
@@ -85,19 +88,6 @@ def _kernel_op(name: str):
         return op
 
     return register
-
-
-def _qtensor(data, scales, amax, fmt, block, shape, dtype=torch.float32) -> formats.QTensor:
-    scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
-    return formats.QTensor(
-        data.view(torch.float4_e2m1fn_x2),
-        scales.view(scale_dtype),
-        amax if fmt == "nvfp4" else None,
-        fmt,
-        block,
-        torch.Size(shape),
-        dtype,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,71 +145,14 @@ def _(device, keys):
     return torch.empty(2 * len(keys), dtype=torch.int64, device=device)
 
 
-def _kernel_stream(x: torch.Tensor, rounding: str, node: int, seed_base: Optional[torch.Tensor] = None):
-    """The SR stream a fast kernel takes: on CUDA a ``runtime.DeviceSeed`` (the kernel mixes the node's
-    constant with the step's base on the device, so CUDA graph replays draw fresh bits), elsewhere the
-    seed itself. ``seed_base``: the step's base as a tensor the graph holds (``fp4.sr_base``); without it
-    the runtime's own copy on the device is read."""
-    if rounding != "sr":
-        return 0
-    if seed_base is not None and x.is_cuda:
-        return runtime.DeviceSeed(int(node), seed_base)
-    return runtime.device_seed(node, x.device) if x.is_cuda else runtime.sr_seed(node)
-
-
-def _host_stream(x: torch.Tensor, rounding: str, node: int, what: str) -> int:
-    """The SR seed as a host integer, for the reference implementation."""
-    if rounding != "sr":
-        return 0
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            f"fp4compile: {what} of a {tuple(x.shape)} {x.dtype} tensor with stochastic rounding while a CUDA "
-            "graph is recorded (mode='reduce-overhead'): no GPU kernel takes this call, and the reference "
-            "implementation's seed would be frozen into the graph, repeating the same random bits on every "
-            "replay. Compile without CUDA graphs, or make the Triton kernels available (triton installed)."
-        )
-    return runtime.sr_seed(node)
-
-
-def _given_amax(amax: Optional[torch.Tensor], fmt: str, x: torch.Tensor, what: str) -> dict:
-    """The keyword arguments that hand a kernel an operand's own amax computed by an earlier node."""
+def _check_amax(amax: Optional[torch.Tensor], fmt: str, x: torch.Tensor, what: str) -> None:
+    """An operand's own amax computed by an earlier node: NVFP4 only, one value."""
     if amax is None:
-        return {}
+        return
     if fmt != "nvfp4":
         raise ValueError(f"fp4compile: {what} of a {tuple(x.shape)} tensor: only NVFP4 has a global amax to give, not {fmt}")
     if amax.numel() != 1:
         raise ValueError(f"fp4compile: {what} of a {tuple(x.shape)} tensor: amax must hold one value, got shape {tuple(amax.shape)}")
-    return {"amax": amax, "amax_is_own": True}
-
-
-def _run_kernel(kernel, x, rounding: str, node: int, fmt: str, amax: Optional[torch.Tensor], what: str,
-                seed_base: Optional[torch.Tensor] = None, **options) -> tuple:
-    """A quantize kernel's outputs (..., amax) for x, handed x's own ``amax`` where an earlier node
-    computed it; that amax, which the kernel returns as it is, is copied: an op's output may not alias
-    its input."""
-    outputs = kernel(x, rounding, _kernel_stream(x, rounding, node, seed_base), **_given_amax(amax, fmt, x, what), **options)
-    if amax is None:
-        return outputs
-    return (*outputs[:-1], outputs[-1].clone())
-
-
-def _quantize(
-    x: torch.Tensor, fmt: str, block: str, rounding: str, node: int, amax: Optional[torch.Tensor] = None,
-    what: str = "fp4.quantize", seed_base: Optional[torch.Tensor] = None, layout: str = scale_layout.ROW_MAJOR,
-):
-    scale_layout.check(layout, fmt, x, what)
-    kernel = runtime.quantize_kernel(x, fmt, block)
-    if kernel is not None:  # a swizzled layout: the kernel stores each scale at its tiled offset
-        return _run_kernel(kernel, x, rounding, node, fmt, amax, what, seed_base, **_swizzle(layout))
-    _given_amax(amax, fmt, x, what)  # the checks of a given amax, as on the kernel path
-    stream = _host_stream(x, rounding, node, "fp4.quantize")
-    q = formats.quantize(x, fmt, block, rounding, seed=stream, amax=amax)
-    amax = q.amax if q.amax is not None else x.float().abs().amax()
-    return q.data.view(torch.uint8), scale_layout.arrange(q.scales.view(torch.uint8), layout), amax
-
-
-def _swizzle(layout: str) -> dict:
-    return {"swizzle": True} if layout == scale_layout.SWIZZLED else {}
 
 
 @_kernel_op("fp4::quantize")
@@ -228,9 +161,6 @@ def quantize(
     amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None, layout: str = "row_major",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (packed codes uint8 [M, K/2], block scales uint8 [M, K/block], amax fp32 0-dim).
-
-    ``layout="swizzled"`` (2-D NVFP4 x): the scales in the 1-D 128x4 tiled layout CUTLASS GEMMs read
-    (``fp4compile.scale_layout``), the bytes of ``formats.swizzle_scales`` of the row-major ones.
 
     ``amax`` (NVFP4): x's own max |x|, computed by an earlier node (the ``fuse_amax`` pass has the
     operand's producer or ``fp4.wgrad_amax`` compute it); the kernel then makes no amax pass of its own.
@@ -242,8 +172,13 @@ def quantize(
     (CUDA): an int64 [1] tensor the kernel mixes ``seed`` with instead of the step's base (the
     ``lower_kernels`` pass gives the step's base already mixed with the node's constant, a slice of
     ``fp4.sr_base``, and seed 0; without it the kernel reads the runtime's copy of the base).
+
+    ``layout="swizzled"`` (2-D NVFP4 x): the scales in the 1-D 128x4 tiled layout CUTLASS GEMMs read
+    (``fp4compile.scale_layout``), the bytes of ``formats.swizzle_scales`` of the row-major ones.
     """
-    data, scales, amax = _quantize(x, fmt, block, rounding, seed, amax, seed_base=seed_base, layout=layout)
+    _check_amax(amax, fmt, x, "fp4.quantize")
+    scale_layout.check(layout, fmt, x, "fp4.quantize")
+    data, scales, amax = executors.run("quantize", x, fmt, block, rounding, seed, amax, seed_base, layout)
     _check_finite(check, amax, x)
     return data, scales, amax
 
@@ -282,16 +217,9 @@ def rht_quantize(
     A given ``amax`` (NVFP4) is that of ``formats.rht(x, size)`` (``fp4.wgrad_amax``'s second result);
     ``seed_base`` and ``layout`` as ``fp4.quantize``.
     """
+    _check_amax(amax, fmt, x, "fp4.rht_quantize")
     scale_layout.check(layout, fmt, x, "fp4.rht_quantize")
-    kernel = runtime.rht_quantize_kernel(x, size, fmt, block)
-    if kernel is not None:
-        data, scales, amax = _run_kernel(
-            kernel, x, rounding, seed, fmt, amax, "fp4.rht_quantize", seed_base, **_swizzle(layout)
-        )
-    else:
-        data, scales, amax = _quantize(
-            formats.rht(x, size), fmt, block, rounding, seed, amax, "fp4.rht_quantize", seed_base, layout
-        )
+    data, scales, amax = executors.run("rht_quantize", x, size, fmt, block, rounding, seed, amax, seed_base, layout)
     _check_finite(check, amax, x, size)
     return data, scales, amax
 
@@ -309,12 +237,7 @@ def wgrad_amax(x: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     multiple of 16). NaN where the tensor (or its transform) holds a NaN, as ``torch.amax``."""
     if x.dim() != 2:
         raise ValueError(f"fp4.wgrad_amax takes a [tokens, K] tensor, got shape {tuple(x.shape)}")
-    if x.is_cuda and size == 16 and x.shape[0] % 16 == 0 and x.numel() and x.dtype in formats._INPUT_DTYPES:
-        from fp4compile.codegen import triton_kernels
-
-        if triton_kernels.available()[0]:
-            return triton_kernels.wgrad_amax(x)
-    return x.float().abs().amax(), formats.rht(x.t(), size).float().abs().amax()
+    return executors.run("wgrad_amax", x, size)
 
 
 @wgrad_amax.register_fake
@@ -327,12 +250,6 @@ def _(x, size):
 # ---------------------------------------------------------------------------------------------
 
 
-def _decoded(data, scales, amax, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(value(code) * block scale in bfloat16 (exact: at most 6 significant bits), amax) of a packed
-    operand: what the emulation reads."""
-    return block_decode(data, scales, amax, fmt).to(torch.bfloat16), amax
-
-
 @_kernel_op("fp4::fake_quantize")
 def fake_quantize(
     x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str,
@@ -342,10 +259,8 @@ def fake_quantize(
     scales, handed to the emulated GEMM already decoded (``fp4.emulated_mm``). Where a kernel takes the
     call (on CUDA, NVFP4: one Triton pass after the amax pass) the packed codes are never written and
     no separate decode pass runs. Seeds, the ``check`` label and a given ``amax`` as ``fp4.quantize``."""
-    kernel = runtime.fake_quantize_kernel(x, fmt, block)
-    if kernel is None:
-        return _decoded(*torch.ops.fp4.quantize.default(x, fmt, block, rounding, seed, check, amax, seed_base), fmt)
-    decoded, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.fake_quantize", seed_base)
+    _check_amax(amax, fmt, x, "fp4.fake_quantize")
+    decoded, amax = executors.run("fake_quantize", x, fmt, block, rounding, seed, amax, seed_base)
     _check_finite(check, amax, x)
     return decoded, amax
 
@@ -363,12 +278,8 @@ def fake_rht_quantize(
     """(block-decoded ``fp4.rht_quantize(x, size, ...)`` in bfloat16, amax): the weight-gradient operand
     as ``fp4.emulated_mm`` reads it. On CUDA (NVFP4) the fused transpose + RHT + quantize kernel writes
     the decoded values directly. A given ``amax`` as ``fp4.rht_quantize``."""
-    kernel = runtime.fake_rht_quantize_kernel(x, size, fmt, block)
-    if kernel is None:
-        return _decoded(
-            *torch.ops.fp4.rht_quantize.default(x, size, fmt, block, rounding, seed, check, amax, seed_base), fmt
-        )
-    decoded, amax = _run_kernel(kernel, x, rounding, seed, fmt, amax, "fp4.fake_rht_quantize", seed_base)
+    _check_amax(amax, fmt, x, "fp4.fake_rht_quantize")
+    decoded, amax = executors.run("fake_rht_quantize", x, size, fmt, block, rounding, seed, amax, seed_base)
     _check_finite(check, amax, x, size)
     return decoded, amax
 
@@ -391,18 +302,10 @@ def fake_dual_quantize(
     read mostly from L2); elsewhere the two ops run in turn. The bits are those of the two ops.
     ``seed_base_t``: the base the second stream mixes ``seed_t`` with (default ``seed_base``)."""
     seed_base_t = seed_base if seed_base_t is None else seed_base_t
-    kernel = runtime.fake_dual_quantize_kernel(x, size, fmt)
-    if kernel is None:
-        rows = torch.ops.fp4.fake_quantize.default(x, fmt, "1x16", rounding, seed, check, amax, seed_base)[0]
-        transformed = torch.ops.fp4.fake_rht_quantize.default(
-            x.t(), size, fmt, "1x16", rounding_t, seed_t, check_t, amax_t, seed_base_t
-        )[0]
-        return rows, transformed
-    _given_amax(amax, fmt, x, "fp4.fake_dual_quantize")
-    _given_amax(amax_t, fmt, x, "fp4.fake_dual_quantize")
-    rows, transformed = kernel(
-        x, rounding, _kernel_stream(x, rounding, seed, seed_base), amax,
-        rounding_t, _kernel_stream(x, rounding_t, seed_t, seed_base_t), amax_t,
+    _check_amax(amax, fmt, x, "fp4.fake_dual_quantize")
+    _check_amax(amax_t, fmt, x, "fp4.fake_dual_quantize")
+    rows, transformed = executors.run(
+        "fake_dual_quantize", x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base, seed_base_t
     )
     _check_finite(check, amax, x)
     _check_finite(check_t, amax_t, x.t(), size)
@@ -432,13 +335,7 @@ def transpose_quantized(
             f"got codes {tuple(data.shape)} and scales {tuple(scales.shape)}"
         )
     scale_layout.check(layout, "nvfp4", data, "fp4.transpose_quantized")
-    if data.is_cuda:
-        from fp4compile.codegen import triton_kernels
-
-        if triton_kernels.available()[0]:  # one Triton pass
-            return triton_kernels.transpose_tiles(data, scales, swizzled=tiled, swizzle=layout == "swizzled")
-    t = _qtensor(data, scale_layout.row_major(data, scales), None, "nvfp4", "16x16", (n, k)).transpose()
-    return t.data.view(torch.uint8), scale_layout.arrange(t.scales.view(torch.uint8), layout)
+    return executors.run("transpose_quantized", data, scales, layout)
 
 
 @transpose_quantized.register_fake
@@ -452,12 +349,7 @@ def decode_blocks(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """value(code) * block scale in bfloat16 (exact) of NVFP4 codes [M, K/2] with E4M3 scales [M, K/16]:
     the operand an emulated GEMM (``fp4.emulated_mm``) reads, for operands quantized elsewhere (a weight
     quantized once for fprop and dgrad), scales in either layout. On CUDA one Triton pass."""
-    if data.is_cuda:
-        from fp4compile.codegen import triton_kernels
-
-        if triton_kernels.available()[0]:
-            return triton_kernels.block_decode(data, scales, swizzled=scale_layout.is_swizzled(data, scales))
-    return block_decode(data, scales, None, "nvfp4").to(torch.bfloat16)
+    return executors.run("decode_blocks", data, scales)
 
 
 @decode_blocks.register_fake
@@ -500,31 +392,6 @@ def _(x, size):
 # ---------------------------------------------------------------------------------------------
 
 
-def block_decode(data, scales, amax, fmt: str) -> torch.Tensor:
-    """value(code) * block scale (fp32) of a packed GEMM operand [..., M, K/2] with 1-D blocks (scales in
-    either layout)."""
-    block = "1x16" if fmt == "nvfp4" else "1x32"
-    scales = scale_layout.row_major(data, scales, 16 if fmt == "nvfp4" else 32)
-    return formats.block_decode(_qtensor(data, scales, amax, fmt, block, (*data.shape[:-1], data.shape[-1] * 2)))
-
-
-def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype):
-    """Emulated block-scaled FP4 GEMM: (block-decoded A) @ (block-decoded B).T with fp32 accumulation,
-    then alpha = ``formats.gemm_alpha(amax_A, amax_B)`` (NVFP4) applied once, as a Blackwell epilogue does.
-    Batched operands [..., M, K/2] and [..., N, K/2] (activation matmuls) multiply per leading index."""
-    return _decoded_product(
-        block_decode(a, a_scales, a_amax, fmt), a_amax, block_decode(b, b_scales, b_amax, fmt), b_amax, fmt, out_dtype
-    )
-
-
-def _decoded_product(a_bd, a_amax, b_bd, b_amax, fmt: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """A_bd @ B_bd.T of block-decoded operands in fp32, times alpha (NVFP4, ``formats.gemm_alpha``), cast."""
-    acc = a_bd.float() @ b_bd.float().transpose(-2, -1)
-    if fmt == "nvfp4":
-        acc = acc * formats.gemm_alpha(a_amax, b_amax)
-    return acc.to(out_dtype)
-
-
 @_custom_op("fp4::scaled_mm")
 def scaled_mm(
     a: torch.Tensor,
@@ -538,10 +405,8 @@ def scaled_mm(
     kernel: str,
 ) -> torch.Tensor:
     """C = A @ B.T for packed FP4 operands A [M, K/2], B [N, K/2] (or batched [..., M, K/2], [..., N, K/2]);
-    ``kernel`` names the implementation chosen by codegen at compile time (see ``fp4compile.codegen``)."""
-    from fp4compile import codegen
-
-    return codegen.run_scaled_mm(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
+    ``kernel`` names the implementation chosen at compile time (``executors.choose_gemm``)."""
+    return executors.run_scaled_mm(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
 
 
 @scaled_mm.register_fake
@@ -558,12 +423,7 @@ def emulated_mm(
     ``out_dtype``; the arithmetic of ``fp4.scaled_mm``'s emulation on the same operands. On CUDA:
     ``triton_kernels.emulated_scaled_mm`` (alpha in cuBLASLt's epilogue, or an fp32 output and the
     Triton epilogue kernel)."""
-    if a.is_cuda and fmt == "nvfp4" and a.dim() == 2 and b.dim() == 2:
-        from fp4compile.codegen import triton_kernels
-
-        if triton_kernels.available()[0]:
-            return triton_kernels.emulated_scaled_mm(a, a_amax, b, b_amax, out_dtype)
-    return _decoded_product(a, a_amax, b, b_amax, fmt, out_dtype)
+    return executors.run("emulated_mm", a, a_amax, b, b_amax, fmt, out_dtype)
 
 
 @emulated_mm.register_fake

@@ -164,8 +164,10 @@ class Report:
 
     def quantizer_kernels(self) -> dict:
         """(op, implementation, reason) -> number of nodes: how each quantize, amax, transpose and decode
-        node of the compiled graphs runs ("in-graph Triton": its kernels are in Inductor's code; "op": the
-        op runs as one call, the reason says why; ``lower_kernels``)."""
+        node of the compiled graphs runs, as ``lower_kernels`` records it: the executor table's
+        implementation ("in-graph triton": its kernels are in Inductor's code; otherwise the op runs as one
+        call by that implementation) and the reason (why it stays a call, and which implementations were
+        asked before it and declined, with theirs)."""
         out: dict = {}
         for ctx in self.latest:
             for _stage, _node, op, implementation, reason in ctx.kernels:

@@ -1,4 +1,4 @@
-"""Run-time state shared by the compiled graphs: the stochastic-rounding stream and kernel dispatch.
+"""Run-time state shared by the compiled graphs: the stochastic-rounding stream.
 
 A quantize node carries a constant seed (mixed from the recipe seed, the GEMM site, its role and
 operand) and combines it at run time with the step's base. Every call of a compiled graph with
@@ -25,7 +25,7 @@ non-finite error of ``Recipe(check_finite=True)`` can say when it happened.
 from __future__ import annotations
 
 import threading
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -214,82 +214,6 @@ def device_keys(device, keys: tuple) -> torch.Tensor:
 def device_seed(node_constant: int, device) -> DeviceSeed:
     """The stream of a quantize node for kernels that read the base on ``device``."""
     return DeviceSeed(int(node_constant), device_base(device))
-
-
-# Fast quantize kernels by device type: each takes (x, fmt, block) and returns a callable
-# (x, rounding, seed) -> (data, scales, amax), or None where it cannot take the call. ``seed`` is the
-# SR seed as an int, or for CUDA tensors a ``DeviceSeed`` (the kernel computes the seed on the device).
-# NVFP4 kernels also take ``amax=<x's own amax, fp32 tensor>, amax_is_own=True`` (an amax computed by
-# an earlier node: the kernel makes no amax pass); every provider kind below takes them likewise.
-_quantize_providers: list[Callable] = []
-
-
-def register_quantize_provider(provider: Callable) -> None:
-    _quantize_providers.append(provider)
-
-
-def _first_kernel(providers: list[Callable], *args) -> Optional[Callable]:
-    """The kernel of the first provider that takes the call, or None."""
-    for provider in providers:
-        kernel = provider(*args)
-        if kernel is not None:
-            return kernel
-    return None
-
-
-def quantize_kernel(x: torch.Tensor, fmt: str, block: str) -> Optional[Callable]:
-    return _first_kernel(_quantize_providers, x, fmt, block)
-
-
-# Fused RHT + quantize kernels (the weight-gradient operands): each takes (x, size, fmt, block) and
-# returns a callable (x, rounding, seed) -> (data, scales, amax) equal to quantizing ``formats.rht(x,
-# size)``, or None where it cannot take the call; ``seed`` as for the quantize providers.
-_rht_quantize_providers: list[Callable] = []
-
-
-def register_rht_quantize_provider(provider: Callable) -> None:
-    _rht_quantize_providers.append(provider)
-
-
-def rht_quantize_kernel(x: torch.Tensor, size: int, fmt: str, block: str) -> Optional[Callable]:
-    return _first_kernel(_rht_quantize_providers, x, size, fmt, block)
-
-
-# Quantize-and-decode kernels (the operands of the emulated GEMM, ``fp4.fake_quantize``): each takes
-# (x, fmt, block) and returns a callable (x, rounding, seed) -> (block-decoded bf16, amax), or None.
-_fake_quantize_providers: list[Callable] = []
-# The same for the weight-gradient operands (``fp4.fake_rht_quantize``): (x, size, fmt, block) -> callable.
-_fake_rht_quantize_providers: list[Callable] = []
-
-
-def register_fake_quantize_provider(provider: Callable) -> None:
-    _fake_quantize_providers.append(provider)
-
-
-def register_fake_rht_quantize_provider(provider: Callable) -> None:
-    _fake_rht_quantize_providers.append(provider)
-
-
-# Both decoded quantizations of a gradient in one launch (``fp4.fake_dual_quantize``): each takes (x, size,
-# fmt) and returns a callable (x, rounding, seed, amax, rounding_t, seed_t, amax_t) -> (1x16 decoded,
-# RHT(x^T) decoded), or None.
-_fake_dual_quantize_providers: list[Callable] = []
-
-
-def register_fake_dual_quantize_provider(provider: Callable) -> None:
-    _fake_dual_quantize_providers.append(provider)
-
-
-def fake_dual_quantize_kernel(x: torch.Tensor, size: int, fmt: str) -> Optional[Callable]:
-    return _first_kernel(_fake_dual_quantize_providers, x, size, fmt)
-
-
-def fake_quantize_kernel(x: torch.Tensor, fmt: str, block: str) -> Optional[Callable]:
-    return _first_kernel(_fake_quantize_providers, x, fmt, block)
-
-
-def fake_rht_quantize_kernel(x: torch.Tensor, size: int, fmt: str, block: str) -> Optional[Callable]:
-    return _first_kernel(_fake_rht_quantize_providers, x, size, fmt, block)
 
 
 def raise_non_finite(label: str, x: torch.Tensor) -> None:

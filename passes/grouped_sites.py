@@ -120,11 +120,12 @@ def plan_roles(site, recipe, weight_grad: bool, device=None, out_dtype=None) -> 
         if weight_grad:
             site.roles["wgrad"] = RoleInfo("wgrad", site.precision, reason + "; each expert's tokens padded to 16",
                                            (n, k, t), rht=recipe.rht, blocks=("1x16", "1x16"), rounding=(sr, "rne"))
-    from fp4compile.codegen import CutlassRequired, KernelChoice, cutlass_grouped_runtime as cgr
+    from fp4compile.codegen import cutlass_grouped_runtime as cgr
+    from fp4compile.executors import CutlassRequired
 
     for role, info in site.roles.items():
         if device is None or out_dtype is None:
-            choice = KernelChoice(cgr.EMULATION, "per-expert emulated NVFP4 GEMMs: the site's device is unknown")
+            choice = cgr.GroupedChoice(cgr.EMULATION, "per-expert emulated NVFP4 GEMMs: the site's device is unknown")
         else:
             try:
                 choice = cgr.choose(role, n, k, site.input_shape[0], site.experts, out_dtype, device, recipe.allow_emulation)

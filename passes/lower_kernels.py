@@ -2,20 +2,24 @@
 
 Requires: the final forward or backward graph (after ``fuse_amax``), nodes with fake values
 (``meta["val"]``).
-Guarantees: where the graph goes to Inductor (``ctx.inner == "inductor"``) on a CUDA device with the
-Triton kernels available, every kernel op (``fp4.quantize``, ``fp4.rht_quantize``, ``fp4.fake_quantize``,
-``fp4.fake_rht_quantize``, ``fp4.fake_dual_quantize``, ``fp4.wgrad_amax``, ``fp4.transpose_quantized``,
-``fp4.decode_blocks``) whose call a kernel takes is replaced by the op's implementation traced
+Guarantees: where the graph goes to Inductor (``ctx.inner == "inductor"``), every kernel op
+(``fp4.quantize``, ``fp4.rht_quantize``, ``fp4.fake_quantize``, ``fp4.fake_rht_quantize``,
+``fp4.fake_dual_quantize``, ``fp4.wgrad_amax``, ``fp4.transpose_quantized``, ``fp4.decode_blocks``)
+whose call the Triton kernels take is replaced by the op's implementation traced
 functionally: its buffer allocations and its Triton kernels as ``triton_kernel_wrapper_functional``
 nodes. Inductor compiles those kernels with its own (asynchronously, into its on-disk caches), launches
 them from its generated code and records them in CUDA graphs like its own. Quantizers with stochastic
 rounding read the step's base, mixed with their node constants, from one ``fp4.sr_base`` node per
 device at the top of the graph.
 
-An op stays one node, run by its implementation when the graph runs, where: the inner compiler is not
-Inductor; the tensor is not on a CUDA device, or Triton's kernels cannot run (``triton_kernels.available``);
-the op checks its output for non-finite values (``check`` label: a read back to the host); a size is
-symbolic. ``ctx.kernels`` records each op's choice and its reason; the report shows them.
+Which implementation takes a node is the executor table's choice for its fake values
+(``executors.choose``); only one that can be traced into the graph (``Implementation.in_graph``: the
+Triton kernels) is. An op stays one node, run by its implementation when the graph runs, where: the
+table chose another implementation (the tensor is not on a CUDA device, Triton's kernels cannot run or
+do not take the shape; the reason says which declined and why); the inner compiler is not Inductor;
+in-graph kernels are off; the op checks its output for non-finite values (``check`` label: a read back
+to the host); a size is symbolic. ``ctx.kernels`` records each node's implementation ("in-graph
+triton" where its kernels are in Inductor's code) and the reason; the report shows them.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor
 
-from fp4compile import config
+from fp4compile import config, executors
 from fp4compile.sites import CompileContext
 
 KERNEL_OPS = {
@@ -60,28 +65,50 @@ def _value(arg):
     return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
 
-def _why_not(node: fx.Node, args: dict) -> str:
-    """Why the op stays a node ("" where its kernels go into the graph)."""
-    from fp4compile.codegen import triton_kernels
-
-    if not config.in_graph_kernels:
-        return "in-graph kernels are off (fp4compile.config.in_graph_kernels)"
-    x = _value(next(iter(args.values())))
-    if not isinstance(x, torch.Tensor):
-        return "no fake value for its input"
-    if x.device.type != "cuda":
-        return f"its input is on {x.device.type}, not CUDA"
-    ok, why = triton_kernels.available()
-    if not ok or triton_kernels.numerics._interpreting():
-        return f"the Triton kernels cannot be compiled here ({why})"
-    if any(args.get(name) for name in _CHECK_ARGS):
-        return "it checks its output for non-finite values (a read back to the host)"
-    for value in map(_value, args.values()):
+def _symbolic(values: list) -> str:
+    """A symbolic size among the op's arguments, as the reason it stays an op call ("" if none)."""
+    for value in values:
         if isinstance(value, torch.Tensor) and not all(isinstance(d, int) for d in (*value.shape, *value.stride())):
             return f"a symbolic size ({tuple(value.shape)})"
         if isinstance(value, torch.SymInt):
             return "a symbolic argument"
     return ""
+
+
+def _choose(op: str, values: list):
+    """The executor table's choice for the op's fake values. Symbolic sizes are read at their hints, adding
+    no guard: the call is chosen again when it runs."""
+    shape_env = next((v.fake_mode.shape_env for v in values if isinstance(v, FakeTensor)), None)
+    with shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
+        return executors.choose(op, *values)
+
+
+def _why_not(args: dict, values: list, inductor: bool) -> str:
+    """Why an op whose chosen implementation could go into the graph stays a node ("" where it goes)."""
+    from fp4compile.codegen import triton_kernels
+
+    if not inductor:
+        return "the graph is not compiled by Inductor"
+    if not config.in_graph_kernels:
+        return "in-graph kernels are off (fp4compile.config.in_graph_kernels)"
+    if triton_kernels.numerics._interpreting():
+        return "the Triton kernels cannot be compiled here (Triton's interpreter)"
+    if any(args.get(name) for name in _CHECK_ARGS):
+        return "it checks its output for non-finite values (a read back to the host)"
+    return _symbolic(values)
+
+
+def _record(args: dict, op: str, inductor: bool) -> tuple[str, str]:
+    """(implementation, reason) of a kernel op node: the executor table's choice for its fake values,
+    "in-graph <name>" where the lowering puts that implementation's kernels into the graph (reason "")."""
+    values = [_value(args[name]) for name in executors.arguments(op)]
+    if not isinstance(values[0], torch.Tensor):
+        return "chosen when it runs", "no fake value for its input"
+    choice = _choose(op, values)
+    why = _why_not(args, values, inductor) if choice.implementation.in_graph else ""
+    if choice.implementation.in_graph and not why:
+        return f"in-graph {choice.name}", choice.reason
+    return choice.name, "; ".join(r for r in (why, choice.reason) if r)
 
 
 def _trace(target, args: dict) -> tuple[fx.GraphModule, list]:
@@ -202,9 +229,9 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if node.op != "call_function" or node.target not in KERNEL_OPS:
             continue
         args = _bound(node)
-        why = _why_not(node, args) if inductor else "the graph is not compiled by Inductor"
-        ctx.kernels.append((stage, node.name, KERNEL_OPS[node.target], "in-graph Triton" if not why else "op", why))
-        if why:
+        implementation, reason = _record(args, KERNEL_OPS[node.target][len("fp4."):], inductor)
+        ctx.kernels.append((stage, node.name, KERNEL_OPS[node.target], implementation, reason))
+        if not implementation.startswith("in-graph "):
             continue
         if any(args.get(name) == "sr" for name in _ROUNDING_ARGS):
             _key_streams(node, args, keys)

@@ -3,13 +3,13 @@
 Requires: ``insert_quantize``.
 Guarantees: every ``fp4.gemm(dequantize(quantize(a)), dequantize(quantize(b)))`` becomes
 ``fp4.scaled_mm(a_codes, a_scales, a_amax, b_codes, b_scales, b_amax, fmt, dtype, kernel)`` with the
-kernel chosen by ``fp4compile.codegen.choose_kernel`` for its shape and device (CUTLASS on Blackwell,
-emulation elsewhere), the choice and its reason stored in the site's ``RoleInfo``. The choice builds
+kernel chosen by the executor table (``fp4compile.executors.choose_gemm``) for its shape and device
+(CUTLASS on Blackwell, emulation elsewhere), the choice and its reason stored in the site's ``RoleInfo``. The choice builds
 nothing and depends on the device's architecture, N, K and M only; a symbolic M (dynamic shapes) is
 taken at its size hint. Dequantize nodes left without users are removed. Remaining ``fp4.gemm`` nodes
 are high-precision GEMMs. Batched GEMMs (activation matmuls with leading dims) run the emulated kernel.
 On a Blackwell GPU, an FP4 GEMM that gets no CUTLASS kernel is an error naming the site, role, shape
-and reason (``codegen.CutlassRequired``) unless ``Recipe.allow_emulation``.
+and reason (``executors.CutlassRequired``) unless ``Recipe.allow_emulation``.
 A CUTLASS GEMM reads its scales in the 128x4 tiled layout (``fp4compile.scale_layout``), so nothing is
 rearranged per call: each operand's producer (``fp4.quantize``, or dgrad's ``fp4.transpose_quantized``)
 whose scales only CUTLASS GEMMs read is asked to write that layout (``layout="swizzled"``, its metadata
@@ -27,7 +27,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from fp4compile import codegen, scale_layout
+from fp4compile import executors, scale_layout
 from fp4compile.sites import CompileContext, example_values
 
 from .insert_quantize import DEQUANTIZE, QUANTIZE, TRANSPOSE_QUANTIZED
@@ -89,15 +89,13 @@ def lower_scaled_mm(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         device = node.meta["val"].device
         allow = ctx.recipe.allow_emulation
         try:
-            if aval.dim() > 2:
-                why = "batched operands: the FP4 kernels take 2-D operands"
-                choice = codegen.emulation(why, info.precision, device, allow)
-            else:
-                choice = codegen.choose_kernel(m, n, k, info.precision, dtype, device, allow)
-        except codegen.CutlassRequired as exc:
+            choice = executors.choose_gemm(m, n, k, info.precision, dtype, device, allow, batched=aval.dim() > 2)
+        except executors.CutlassRequired as exc:
             site = ctx.sites[node.args[3]]
             shape = "x".join(str(d) for d in info.shape)
-            raise codegen.CutlassRequired(f"{site.name} {info.role} GEMM (M x N x K = {shape}): {exc}") from None
+            raise executors.CutlassRequired(
+                f"{site.name} {info.role} GEMM (M x N x K = {shape}): {exc}", exc.declined
+            ) from None
         info.kernel, info.kernel_reason = choice.name, choice.reason
         with gm.graph.inserting_before(node):
             mm = gm.graph.call_function(

@@ -19,7 +19,7 @@ import torch
 import test_cutlass_runtime
 from test_cutlass_runtime import blackwell  # noqa: F401  (fixture)
 
-from fp4compile import codegen, formats, grouped
+from fp4compile import executors, formats, grouped
 from fp4compile.codegen import cutlass_gemm, cutlass_grouped, cutlass_grouped_runtime as cgr
 from fp4compile.codegen.cutlass_gemm import KernelBuildError
 from fp4compile.codegen.cutlass_grouped import GROUP_COLUMNS, GroupedGemmConfig
@@ -209,7 +209,7 @@ def test_plan_names_the_kernel_of_each_role_and_falls_back_with_the_reason(group
     assert all(k.startswith("cutlass_grouped:") and not k.endswith("+emulation") for k in kernels)
     assert "8 experts" in site.roles["fprop"].kernel_reason
     site.out_features = 100  # N (fprop) and K (dgrad) off the 32 grid; wgrad's M is free but its N=96 is fine
-    with pytest.raises(codegen.CutlassRequired, match=r"layers\.0\.mlp\.experts\.down_proj fprop GEMM .*"
+    with pytest.raises(executors.CutlassRequired, match=r"layers\.0\.mlp\.experts\.down_proj fprop GEMM .*"
                                                        r"N=100 is not a multiple of 32.*allow_emulation=True"):
         grouped_sites.plan_roles(site, Recipe(), True, torch.device("cuda:0"), torch.bfloat16)
     with caplog.at_level("WARNING", logger="fp4compile"):

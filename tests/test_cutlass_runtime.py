@@ -17,7 +17,7 @@ from torch._dynamo.source import ConstantSource
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 import fp4compile
-from fp4compile import codegen, formats, ops
+from fp4compile import executors, formats, ops, reference
 from fp4compile.codegen import cutlass_gemm, cutlass_runtime, cutlass_toolkit
 from fp4compile.codegen.cutlass_gemm import GemmConfig, KernelBuildError
 from fp4compile.codegen.cutlass_runtime import CutlassKernelError
@@ -115,9 +115,9 @@ def test_selection_builds_nothing(blackwell, monkeypatch):
 
     monkeypatch.setattr(cutlass_gemm, "build", no_build)
     monkeypatch.setattr(cutlass_gemm, "load", no_build)
-    choice = codegen.choose_kernel(_symint(3000), 4096, 4096, "nvfp4", torch.bfloat16, "cuda:0", allow_emulation=False)
+    choice = executors.choose_gemm(_symint(3000), 4096, 4096, "nvfp4", torch.bfloat16, "cuda:0", allow_emulation=False)
     assert choice.name.startswith("cutlass:nvfp4_gemm_") and not choice.name.endswith("+emulation")
-    allowed = codegen.choose_kernel(3000, 4096, 4096, "nvfp4", torch.bfloat16, "cuda:0", allow_emulation=True)
+    allowed = executors.choose_gemm(3000, 4096, 4096, "nvfp4", torch.bfloat16, "cuda:0", allow_emulation=True)
     assert allowed.name == choice.name + "+emulation"
     assert cutlass_runtime.parse_kernel(allowed.name) == (GemmConfig.from_name(choice.name[len("cutlass:"):]), True)
 
@@ -126,11 +126,11 @@ def test_selection_builds_nothing(blackwell, monkeypatch):
     "shape, fmt, why", [((128, 100, 64), "nvfp4", "N=100 is not a multiple of 32"), ((128, 128, 64), "mxfp4", "NVFP4 only")]
 )
 def test_off_the_kernels_on_blackwell_is_an_error_unless_emulation_is_allowed(blackwell, monkeypatch, shape, fmt, why):
-    monkeypatch.setattr(codegen, "_notices", set())
-    with pytest.raises(codegen.CutlassRequired, match=why) as info:
-        codegen.choose_kernel(*shape, fmt, torch.bfloat16, "cuda:0", allow_emulation=False)
+    monkeypatch.setattr(executors, "_notices", set())
+    with pytest.raises(executors.CutlassRequired, match=why) as info:
+        executors.choose_gemm(*shape, fmt, torch.bfloat16, "cuda:0", allow_emulation=False)
     assert "allow_emulation=True" in str(info.value)
-    choice = codegen.choose_kernel(*shape, fmt, torch.bfloat16, "cuda:0", allow_emulation=True)
+    choice = executors.choose_gemm(*shape, fmt, torch.bfloat16, "cuda:0", allow_emulation=True)
     assert choice.name == "emulation" and why in choice.reason
 
 
@@ -139,8 +139,8 @@ def test_other_gpus_emulate_without_the_option(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
-    monkeypatch.setattr(codegen, "_notices", set())
-    choice = codegen.choose_kernel(128, 128, 64, "nvfp4", torch.bfloat16, "cuda:0", allow_emulation=False)
+    monkeypatch.setattr(executors, "_notices", set())
+    choice = executors.choose_gemm(128, 128, 64, "nvfp4", torch.bfloat16, "cuda:0", allow_emulation=False)
     assert choice.name == "emulation" and "9.0" in choice.reason
 
 
@@ -156,11 +156,11 @@ def test_simulated_cutlass_path_is_bit_equal_to_emulation(blackwell, monkeypatch
     qa, qb = _operands(m, n, k)
     config = cutlass_gemm.select_config(m, n, k, out_dtype)[0]
     kernel = cutlass_runtime.kernel_name(config, allow_emulation=False)
-    got = codegen.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", out_dtype)
-    expected = ops.scaled_mm_reference(*_args(qa, qb), "nvfp4", out_dtype)
+    got = executors.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", out_dtype)
+    expected = reference.scaled_mm_reference(*_args(qa, qb), "nvfp4", out_dtype)
     assert torch.equal(got.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
                        expected.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32))
-    codegen.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", out_dtype)
+    executors.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", out_dtype)
     assert loads == [config.name], "loaded and self-tested once per configuration and device"
 
 
@@ -177,8 +177,8 @@ def test_padded_wgrad_operands_are_bit_equal_to_emulation(blackwell, monkeypatch
     assert sa.numel() == formats.swizzle_scales(qa.scales).numel() == cutlass_gemm.expected_scales_numel(64, 288)
     assert torch.equal(a.view(torch.uint8)[:, 136:], torch.zeros(64, 8, dtype=torch.uint8))
     kernel = cutlass_runtime.kernel_name(cutlass_gemm.select_config(64, 96, 272, torch.float32)[0], False)
-    got = codegen.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", torch.float32)
-    assert torch.equal(got.view(torch.int32), ops.scaled_mm_reference(*_args(qa, qb), "nvfp4", torch.float32).view(torch.int32))
+    got = executors.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", torch.float32)
+    assert torch.equal(got.view(torch.int32), reference.scaled_mm_reference(*_args(qa, qb), "nvfp4", torch.float32).view(torch.int32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def test_a_failing_configuration_is_an_error_naming_the_option(blackwell, monkey
     qa, qb = _operands(256, 128, 256)
     kernel = cutlass_runtime.kernel_name(GemmConfig("1sm", 128, "bf16"), allow_emulation=False)
     with pytest.raises(CutlassKernelError, match=reason) as info:
-        codegen.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", torch.bfloat16)
+        executors.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", torch.bfloat16)
     assert "nvfp4_gemm_1sm_128x128x256_c1x1_bf16" in str(info.value) and "allow_emulation=True" in str(info.value)
 
 
@@ -236,13 +236,13 @@ def test_a_failing_configuration_falls_back_once_where_emulation_is_allowed(blac
     loads = _loader(monkeypatch, _raising("initialize failed: TMA descriptor"))
     qa, qb = _operands(256, 128, 256)
     kernel = cutlass_runtime.kernel_name(GemmConfig("1sm", 128, "bf16"), allow_emulation=True)
-    expected = ops.scaled_mm_reference(*_args(qa, qb), "nvfp4", torch.bfloat16)
+    expected = reference.scaled_mm_reference(*_args(qa, qb), "nvfp4", torch.bfloat16)
     with pytest.warns(fp4compile.PlanWarning, match="run in emulation .*TMA descriptor"):
-        got = codegen.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", torch.bfloat16)
+        got = executors.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", torch.bfloat16)
     assert torch.equal(got, expected)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once
-        assert torch.equal(codegen.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", torch.bfloat16), expected)
+        assert torch.equal(executors.run_scaled_mm(kernel, *_args(qa, qb), "nvfp4", torch.bfloat16), expected)
     assert loads == ["nvfp4_gemm_1sm_128x128x256_c1x1_bf16"]
 
 
@@ -314,12 +314,14 @@ def test_toolkit_problems(release, arch, torch_cuda, problem):
 def test_the_lowering_names_the_site_of_a_gemm_without_a_kernel(monkeypatch, fresh_dynamo):
     """The pass turns ``CutlassRequired`` into an error naming the layer, role and shape."""
 
-    def no_kernel(m, n, k, fmt, out_dtype, device, allow_emulation=True):
-        if not allow_emulation:
-            raise codegen.CutlassRequired("N is not a multiple of 32; Recipe(allow_emulation=True) ...")
-        return codegen.KernelChoice("emulation", "allowed")
+    choose_gemm = executors.choose_gemm
 
-    monkeypatch.setattr(codegen, "choose_kernel", no_kernel)
+    def no_kernel(m, n, k, fmt, out_dtype, device, allow_emulation=True, batched=False):
+        if not allow_emulation:
+            raise executors.CutlassRequired("N is not a multiple of 32; Recipe(allow_emulation=True) ...")
+        return choose_gemm(m, n, k, fmt, out_dtype, device, allow_emulation, batched)
+
+    monkeypatch.setattr(executors, "choose_gemm", no_kernel)
     from models import MLPStack
 
     model = MLPStack(4, d=32)

@@ -5,6 +5,7 @@ Tiny Hugging Face configs with random weights, trained two steps on the CPU; not
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import fp4compile
-from fp4compile import Backend, formats, ops
+from fp4compile import Backend, executors, formats
 from models import MODEL_FILE
 import importlib
 
@@ -30,22 +31,27 @@ VOCAB = 128
 IDX = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
 
 
-class CaptureWeightQuantization:
-    """Records what every quantization of a weight (NVFP4 16x16 tiles) returned while the compiled model
-    ran, {data pointer of the quantized tensor: (codes, scales, amax)}, by wrapping the function the
-    ``fp4.quantize`` op runs (a dispatch mode would make dynamo run the model eagerly instead)."""
+@contextlib.contextmanager
+def capture_weight_quantization():
+    """Records what every quantization of a weight (NVFP4 16x16 tiles) returns while the compiled model
+    runs, {data pointer of the quantized tensor: (codes, scales, amax)}, by wrapping the executor table's
+    reference quantizer, which runs them on the CPU (a dispatch mode would make dynamo run the model
+    eagerly instead)."""
+    seen = {}
+    original = executors.unregister("quantize", "reference")
 
-    def __init__(self, monkeypatch):
-        self.seen = {}
-        original = ops._quantize
+    def recording(x, fmt, block, *args):
+        out = original.call(x, fmt, block, *args)
+        if block == "16x16":
+            seen[x.data_ptr()] = tuple(t.clone() for t in out)
+        return out
 
-        def recording(x, fmt, block, *args, **kwargs):
-            out = original(x, fmt, block, *args, **kwargs)
-            if block == "16x16":
-                self.seen[x.data_ptr()] = tuple(t.clone() for t in out)
-            return out
-
-        monkeypatch.setattr(ops, "_quantize", recording)
+    executors.register("quantize", "reference", original.check, recording, after="triton")
+    try:
+        yield seen
+    finally:
+        executors.unregister("quantize", "reference")
+        executors.register("quantize", "reference", original.check, original.call, after="triton")
 
 
 def train(model, steps=2):
@@ -85,26 +91,25 @@ def gpt2():
     ))
 
 
-def forward_quantization(model, compiled, monkeypatch):
+def forward_quantization(model, compiled):
     """{site: (codes, scales, amax)} of each FP4 weight as the compiled forward quantizes it now (after
     the last optimizer step: what the next training forward uses)."""
-    with monkeypatch.context() as patch:
-        capture = CaptureWeightQuantization(patch)
+    with capture_weight_quantization() as seen:
         compiled(input_ids=IDX, labels=IDX, use_cache=False)
     params = dict(model.named_parameters())
-    return {site: capture.seen[params[site + ".weight"].data_ptr()] for site in _fp4_sites(capture, params)}
+    return {site: seen[params[site + ".weight"].data_ptr()] for site in _fp4_sites(seen, params)}
 
 
-def _fp4_sites(capture, params):
+def _fp4_sites(seen, params):
     by_ptr = {p.data_ptr(): name for name, p in params.items()}
-    return sorted(by_ptr[ptr].removesuffix(".weight") for ptr in capture.seen)
+    return sorted(by_ptr[ptr].removesuffix(".weight") for ptr in seen)
 
 
 @pytest.mark.parametrize("factory", [llama, qwen2, gpt2], ids=["llama", "qwen2", "gpt2"])
-def test_exported_weights_are_the_training_forward_bits(factory, monkeypatch):
+def test_exported_weights_are_the_training_forward_bits(factory):
     model = factory()
     backend, compiled = train(model)
-    used = forward_quantization(model, compiled, monkeypatch)
+    used = forward_quantization(model, compiled)
     sites = fp4export.export_sites(backend)
     assert sorted(s.name for s in sites) == sorted(used)
     assert len(sites) == (8 if factory is gpt2 else 14)  # the middle two of four blocks
@@ -125,10 +130,10 @@ def test_exported_weights_are_the_training_forward_bits(factory, monkeypatch):
 
 
 @pytest.mark.parametrize("factory", [llama, qwen2], ids=["llama", "qwen2"])
-def test_export_folder_holds_the_training_bits_and_loads_in_transformers(factory, tmp_path, monkeypatch):
+def test_export_folder_holds_the_training_bits_and_loads_in_transformers(factory, tmp_path):
     model = factory()
     backend, compiled = train(model)
-    used = forward_quantization(model, compiled, monkeypatch)
+    used = forward_quantization(model, compiled)
     out = fp4export.export(model, tmp_path / "ckpt", backend=backend, scheme="NVFP4A16", max_shard_size=64 * 1024)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fp4compile import formats, grouped, ops
+from fp4compile import formats, grouped, reference
 
 E, N, K = 4, 32, 48
 COUNTS = [(0, 1, 37, 18), (16, 16, 16, 16), (0, 0, 0, 5), (0, 0, 0, 0), (1, 0, 0, 0)]
@@ -90,9 +90,9 @@ def test_grouped_gemms_match_per_expert_dense_reference(counts):
         rows = slice(start, start + c)
         q = lambda t, block="1x16": formats.quantize(t.contiguous(), "nvfp4", block)  # noqa: E731
         qx, qw, qdy = q(x[rows]), q(w[e], "16x16"), q(dy[rows])
-        ref = ops._decoded_product(formats.block_decode(qx), qx.amax, formats.block_decode(qw), qw.amax, "nvfp4", torch.float32)
+        ref = reference.decoded_product(formats.block_decode(qx), qx.amax, formats.block_decode(qw), qw.amax, "nvfp4", torch.float32)
         torch.testing.assert_close(fprop[rows], ref, rtol=1e-6, atol=0)
-        ref = ops._decoded_product(formats.block_decode(qdy), qdy.amax, formats.block_decode(qw).t(), qw.amax, "nvfp4",
+        ref = reference.decoded_product(formats.block_decode(qdy), qdy.amax, formats.block_decode(qw).t(), qw.amax, "nvfp4",
                                    torch.float32)
         torch.testing.assert_close(dgrad[rows], ref, rtol=1e-6, atol=0)
         # wgrad: the expert's tokens zero-padded to 16, RHT along them, 1x16 blocks along them.
@@ -101,7 +101,7 @@ def test_grouped_gemms_match_per_expert_dense_reference(counts):
         xt = formats.rht(torch.nn.functional.pad(x[rows].t(), (0, pad)), 16)
         if c:
             qa, qb = q(dyt), q(xt)
-            ref = ops._decoded_product(formats.block_decode(qa), qa.amax, formats.block_decode(qb), qb.amax, "nvfp4",
+            ref = reference.decoded_product(formats.block_decode(qa), qa.amax, formats.block_decode(qb), qb.amax, "nvfp4",
                                        torch.float32)
         else:
             ref = torch.zeros(N, K)

@@ -119,8 +119,8 @@ def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():
     assert after["fp4.sr_base.default"] == 1 and after["aten.slice.Tensor"] == 7
     assert "aten.bitwise_xor.Scalar" not in after
     choices = {(c[2], c[3], c[4]) for c in result["choices"]}
-    assert ("fp4.fake_quantize", "op", "it checks its output for non-finite values (a read back to the host)") in choices
-    assert sum(c[3] == "in-graph Triton" for c in result["choices"]) == 11
+    assert ("fp4.fake_quantize", "triton", "it checks its output for non-finite values (a read back to the host)") in choices
+    assert sum(c[3] == "in-graph triton" for c in result["choices"]) == 11
     # Inductor can lower everything the kernels' traces hold (their buffers come as ``aten.full``/``empty``).
     assert result["unlowered"] == []
     # Inductor's analysis of each kernel finds it writing only the buffers made for it, never an input: a
@@ -162,7 +162,7 @@ def test_in_graph_kernels_can_be_turned_off():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["after"] == result["before"]  # every kernel op stays one op call
     assert result["writes"] == []
-    assert {c[3] for c in result["choices"]} == {"op"}
+    assert {c[3] for c in result["choices"]} == {"triton"}  # op calls that launch the kernels
     assert sum("in-graph kernels are off" in c[4] for c in result["choices"]) == 12
 
 
@@ -172,12 +172,13 @@ def test_the_report_says_how_each_quantizer_runs_on_the_cpu(fresh_dynamo):
     model = torch.compile(Stack(), backend=backend)
     model(torch.randn(32, 64)).sum().backward()
     choices = backend.report.quantizer_kernels()
-    assert choices and all(impl == "op" for _, impl, _ in choices)
-    assert {reason for _, _, reason in choices} == {"its input is on cpu, not CUDA"}
-    ops = {op for op, _, _ in choices}
-    assert {"fp4.quantize", "fp4.rht_quantize"} <= ops  # the operands, and the RHT operands of wgrad
-    assert "(its input is on cpu, not CUDA)" not in backend.report.precision_table()
-    assert "nodes): op: its input is on cpu, not CUDA" in backend.report.precision_table()
+    # The executor table's choice: the reference (after the RHT, for the wgrad operands), Triton declining.
+    assert {(op, impl) for op, impl, _ in choices} == {
+        ("fp4.quantize", "reference"), ("fp4.rht_quantize", "unfused"), ("fp4.transpose_quantized", "reference")
+    }
+    assert {reason for _, _, reason in choices} == {"triton declined: its input is on cpu, not CUDA"}
+    table = backend.report.precision_table()
+    assert "fp4.quantize" in table and "nodes): reference: triton declined: its input is on cpu, not CUDA" in table
 
 
 @pytest.mark.gpu
@@ -204,7 +205,7 @@ def test_gpu_in_graph_kernels_give_the_bits_of_the_ops(fresh_dynamo, mode):
         results[inner] = outs
         if inner == "inductor":
             choices = backend.report.quantizer_kernels()
-            assert choices and all(impl == "in-graph Triton" for _, impl, _ in choices), choices
+            assert choices and all(impl == "in-graph triton" for _, impl, _ in choices), choices
             final = [g for ctx in backend.report.latest for g in ctx.final_graphs.values()]
             targets = {str(n.target) for g in final for n in g.nodes if n.op == "call_function"}
             assert "triton_kernel_wrapper_functional" in targets

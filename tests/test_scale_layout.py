@@ -8,6 +8,7 @@ CUTLASS's offsets) and compare it bit for bit with the emulation.
 from __future__ import annotations
 
 import os
+import types
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import fp4compile  # noqa: E402
-from fp4compile import codegen, formats, ops, scale_layout  # noqa: E402
+from fp4compile import executors, formats, ops, scale_layout  # noqa: E402
 from fp4compile.codegen import cutlass_gemm, cutlass_runtime  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's 1/0 in the interpreter
@@ -135,13 +136,13 @@ def _simulated_blackwell(monkeypatch):
     """2-D FP4 GEMMs get CUTLASS kernels (on the CPU), run by the simulated kernel of test_cutlass_runtime."""
     from test_cutlass_runtime import simulated_kernel
 
-    def choose(m, n, k, fmt, out_dtype, device, allow_emulation=True):
+    def choose(m, n, k, fmt, out_dtype, device, allow_emulation=True, batched=False):
         config, why = cutlass_gemm.select_config(m, n, k, out_dtype)
-        if fmt != "nvfp4" or config is None:
-            return codegen.KernelChoice("emulation", why)
-        return codegen.KernelChoice(cutlass_runtime.kernel_name(config, allow_emulation), why)
+        if fmt != "nvfp4" or config is None or batched:
+            return types.SimpleNamespace(name="emulation", reason=why)
+        return types.SimpleNamespace(name=cutlass_runtime.kernel_name(config, allow_emulation), reason=why)
 
-    monkeypatch.setattr(codegen, "choose_kernel", choose)
+    monkeypatch.setattr(executors, "choose_gemm", choose)
     monkeypatch.setattr(cutlass_gemm, "load", lambda config, arch=None, progress=True, device=None: simulated_kernel(config))
     cutlass_runtime.reset()
 

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from fp4compile import formats, ops  # noqa: E402
+from fp4compile import formats, ops, runtime  # noqa: E402
 from fp4compile.codegen import triton_kernels as tk  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's 1/0 in the interpreter
@@ -690,10 +690,10 @@ def test_rht_quantize_op_equals_the_two_ops_on_cpu(rounding, fmt, block):
 @pytest.mark.parametrize("fmt, block", FORMAT_BLOCKS)
 @pytest.mark.parametrize("rounding", ["rne", "sr"])
 def test_gpu_rht_quantize_op_takes_the_fused_kernel(rounding, fmt, block):
-    from fp4compile import runtime
+    from fp4compile import executors
 
     tokens = sample((2048, 768), torch.bfloat16, seed=31)  # [tokens, K]: the wgrad operand is its transpose
-    assert runtime.rht_quantize_kernel(tokens.cuda().t(), 16, fmt, block) is not None
+    assert executors.choose("rht_quantize", tokens.cuda().t(), 16, fmt, block, rounding, 99, None, None).name == "triton"
     want = _op_reference(tokens.t(), rounding, 99, fmt, block)
     for operand in (tokens.cuda().t(), tokens.t().contiguous().cuda()):  # transposed view and contiguous
         got = torch.ops.fp4.rht_quantize(operand, 16, fmt, block, rounding, 99, "")
@@ -747,11 +747,15 @@ def test_quantize_mxfp4(dtype, rounding):
         assert torch.equal(amax.view(torch.int32), tk.global_amax(x.to(DEVICE)).view(torch.int32))
 
 
-def test_mxfp4_provider_and_shape_errors():
+def test_mxfp4_choice_and_shape_errors():
+    from fp4compile import executors
+
     x = torch.zeros(4, 48, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of 32"):
         tk.quantize_mxfp4(x)
-    assert tk.quantize_provider(torch.zeros(4, 64), "mxfp4", "1x32") is None  # CPU tensors: the reference
+    choice = executors.choose("quantize", torch.zeros(4, 64), "mxfp4", "1x32", "rne", 0, None, None)
+    assert choice.name == "reference"  # CPU tensors: the reference
+    assert choice.declined == (("triton", "its input is on cpu, not CUDA"),)
 
 
 @pytest.mark.gpu
@@ -885,7 +889,7 @@ def test_quantize_wgrad_operand_mxfp4_shape_errors():
 
 
 class _CudaOperand:
-    """What the providers read of an operand, as a CUDA tensor of that shape and dtype shows it."""
+    """What the Triton checks read of an operand, as a CUDA tensor of that shape and dtype shows it."""
 
     is_cuda = True
 
@@ -899,26 +903,33 @@ class _CudaOperand:
         return self.shape.numel()
 
 
-def test_rht_quantize_provider():
-    """The fused kernels for [K, tokens] operands a kernel can take; None (the reference runs) otherwise."""
+def test_rht_quantize_check():
+    """The fused kernels take [K, tokens] operands of the shapes they handle; otherwise the check says why."""
     assert tk.available()[0]  # the interpreter, here
+    check = tk.dispatch.check_rht_quantize
     for fmt, block, tokens in (("nvfp4", "1x16", 48), ("mxfp4", "1x32", 64)):
-        assert tk.rht_quantize_provider(_CudaOperand((40, tokens)), 16, fmt, block) is not None
-    assert tk.rht_quantize_provider(_CudaOperand((40, 48)), 16, "mxfp4", "1x32") is None  # 48 tokens: not 32-blocks
-    assert tk.rht_quantize_provider(_CudaOperand((40, 64)), 32, "mxfp4", "1x32") is None  # only the 16-point RHT
-    assert tk.rht_quantize_provider(_CudaOperand((40, 64)), 16, "mxfp4", "1x16") is None
-    assert tk.rht_quantize_provider(_CudaOperand((40, 64)), 16, "nvfp4", "16x16") is None
-    assert tk.rht_quantize_provider(_CudaOperand((2, 40, 64)), 16, "mxfp4", "1x32") is None  # 2-D operands only
-    assert tk.rht_quantize_provider(_CudaOperand((0, 64)), 16, "mxfp4", "1x32") is None
-    assert tk.rht_quantize_provider(_CudaOperand((40, 64), torch.float64), 16, "mxfp4", "1x32") is None
-    assert tk.rht_quantize_provider(torch.zeros(40, 64), 16, "mxfp4", "1x32") is None  # CPU tensors: the reference
-    # The MXFP4 kernel takes the [K, tokens] operand (transposed view) and returns what the op's reference does.
-    kernel = tk.rht_quantize_provider(_CudaOperand((40, 64)), 16, "mxfp4", "1x32")
+        assert check(_CudaOperand((40, tokens)), 16, fmt, block) == (True, "")
+    declined = {
+        "rows of 48 elements, not a multiple of 32": (_CudaOperand((40, 48)), 16, "mxfp4", "1x32"),  # 48 tokens
+        "a 32-point RHT": (_CudaOperand((40, 64)), 32, "mxfp4", "1x32"),
+        "no fused RHT quantizer for mxfp4 with 1x16 blocks": (_CudaOperand((40, 64)), 16, "mxfp4", "1x16"),
+        "no fused RHT quantizer for nvfp4 with 16x16 blocks": (_CudaOperand((40, 64)), 16, "nvfp4", "16x16"),
+        "a 3-D operand": (_CudaOperand((2, 40, 64)), 16, "mxfp4", "1x32"),
+        "an input of shape (0, 64)": (_CudaOperand((0, 64)), 16, "mxfp4", "1x32"),
+        "a torch.float64 input": (_CudaOperand((40, 64), torch.float64), 16, "mxfp4", "1x32"),
+        "its input is on cpu, not CUDA": (torch.zeros(40, 64), 16, "mxfp4", "1x32"),
+    }
+    for why, args in declined.items():
+        ok, reason = check(*args)
+        assert not ok and reason.startswith(why), (why, reason)
+    # The MXFP4 kernel takes the [K, tokens] operand (transposed view) and returns what the op's reference
+    # does; off CUDA the node's stream is the host's ``runtime.sr_seed``.
     tokens = sample((64, 40), torch.bfloat16, seed=46)
     for rounding in ("rne", "sr"):
-        got = kernel(tokens.to(DEVICE).t(), rounding, 77)
+        got = tk.dispatch.rht_quantize(tokens.to(DEVICE).t(), 16, "mxfp4", "1x32", rounding, 77)
         y = formats.rht(tokens.t(), 16)
-        assert_same_mx_quantization(*got, formats.quantize(y, "mxfp4", "1x32", rounding, seed=77), y)
+        seed = runtime.sr_seed(77) if rounding == "sr" else 0
+        assert_same_mx_quantization(*got, formats.quantize(y, "mxfp4", "1x32", rounding, seed=seed), y)
 
 
 @settings(max_examples=15, deadline=None, database=None, derandomize=True)

@@ -19,7 +19,7 @@ over the tensor per kernel.
 | ``fake_quantize_dual(x, ..)`` | both decoded operands of a gradient: 1x16 and RHT(x^T), one launch | the two ``fake_quantize_*`` |
 | ``dequantize`` / ``block_decode`` | decoded tensor from codes and scales | ``formats.dequantize`` / ``block_decode`` |
 | ``transpose_tiles(data, scales)`` | codes and scales of W^T from a 16x16-tile quantized W | ``QTensor.transpose()`` |
-| ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alpha | ``ops.scaled_mm_reference`` |
+| ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alpha | ``reference.scaled_mm_reference`` |
 
 The fake-quant outputs are exact in bf16 (an E2M1 value times an E4M3 scale has at most 6 significant
 bits), so an emulated FP4 GEMM is a plain bf16 GEMM with fp32 accumulation followed by the per-tensor
@@ -50,17 +50,17 @@ Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (sl
 
 The package is laid out by job: ``numerics`` (the device functions every kernel shares), ``rows``,
 ``rht``, ``mx`` and ``decode`` (the kernels by family), ``launch`` (launch parameters, grids, input
-checks, the launch) and ``api`` (the functions above and the providers).
+checks, the launch), ``api`` (the functions above) and ``dispatch`` (each op's check and call for the
+executor table, ``fp4compile.executors``).
 """
 
 from __future__ import annotations
 
-from . import api, decode, launch, mx, numerics, rht, rows
+from . import api, decode, dispatch, launch, mx, numerics, rht, rows
 from .api import (
     available, global_amax, wgrad_amax, quantize_1x16, quantize_16x16, quantize_wgrad_operand, quantize_mxfp4,
     quantize_wgrad_operand_mxfp4, fake_quantize_1x16, fake_quantize_16x16, fake_quantize_wgrad_operand,
-    fake_quantize_dual, dequantize, block_decode, transpose_tiles, emulated_scaled_mm, gemm_alpha, quantize_provider,
-    rht_quantize_provider, fake_quantize_provider, fake_rht_quantize_provider, fake_dual_quantize_provider,
+    fake_quantize_dual, dequantize, block_decode, transpose_tiles, emulated_scaled_mm, gemm_alpha,
 )
 from .launch import CONFIGS
 
@@ -82,10 +82,5 @@ __all__ = [
     "transpose_tiles",
     "emulated_scaled_mm",
     "gemm_alpha",
-    "quantize_provider",
-    "rht_quantize_provider",
-    "fake_quantize_provider",
-    "fake_rht_quantize_provider",
-    "fake_dual_quantize_provider",
     "CONFIGS",
 ]

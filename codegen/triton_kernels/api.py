@@ -1,5 +1,5 @@
-"""The host API: quantize, decode and GEMM functions over the kernels, and the providers the runtime
-asks for them."""
+"""The host API: quantize, decode and GEMM functions over the kernels (``dispatch`` offers them to the
+executor table)."""
 
 from __future__ import annotations
 
@@ -403,7 +403,7 @@ def emulated_scaled_mm(
     """C = A @ B^T for block-decoded operands A [M, K], B [N, K] (bf16, from fake_quantize_* or block_decode).
 
     fp32 accumulation, then ``cast(acc * alpha)`` with ``alpha = formats.gemm_alpha(amax_a, amax_b)``: the
-    arithmetic of ``ops.scaled_mm_reference``, up to the GEMM's summation order. On CUDA with
+    arithmetic of ``reference.scaled_mm_reference``, up to the GEMM's summation order. On CUDA with
     ``codegen.cublaslt_gemm`` enabled, one cuBLASLt GEMM reads alpha in its epilogue and writes the
     bfloat16 output; otherwise ``torch.mm`` writes fp32 and ``_epilogue_kernel`` applies alpha.
     """
@@ -437,65 +437,3 @@ def emulated_scaled_mm(
     _launch(_epilogue_kernel, (triton.cdiv(n, cfg["BLOCK"]),), acc, alpha, out, n, BLOCK=cfg["BLOCK"],
             **_launch_options(cfg))
     return out
-
-
-def quantize_provider(x: torch.Tensor, fmt: str, block: str):
-    """A quantize provider for ``runtime.register_quantize_provider``: these kernels for NVFP4 and MXFP4 on CUDA.
-
-    Returns a callable (x, rounding, seed) -> (data, scales, amax), or None where it cannot take the call.
-    """
-    if (fmt, block) not in (("nvfp4", "1x16"), ("nvfp4", "16x16"), ("mxfp4", "1x32")):
-        return None
-    if not x.is_cuda or x.dtype not in _INPUT_DTYPES or not available()[0] or x.dim() < 2 or x.numel() == 0:
-        return None
-    if x.shape[-1] % (32 if fmt == "mxfp4" else 16) or (block == "16x16" and x.shape[-2] % 16):
-        return None
-    if fmt == "mxfp4":
-        return quantize_mxfp4
-    return quantize_1x16 if block == "1x16" else quantize_16x16
-
-
-def fake_quantize_provider(x: torch.Tensor, fmt: str, block: str):
-    """A provider for ``runtime.register_fake_quantize_provider``: ``fake_quantize_1x16`` / ``_16x16`` for
-    NVFP4 on CUDA. Returns a callable (x, rounding, seed) -> (block-decoded bf16, amax), or None."""
-    if fmt != "nvfp4" or block not in ("1x16", "16x16"):
-        return None
-    if quantize_provider(x, fmt, block) is None:
-        return None
-    return fake_quantize_1x16 if block == "1x16" else fake_quantize_16x16
-
-
-def fake_rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str):
-    """A provider for ``runtime.register_fake_rht_quantize_provider``: ``fake_quantize_wgrad_operand`` of
-    the ``[K, tokens]`` operand of an NVFP4 wgrad on CUDA, or None where it cannot take the call."""
-    if fmt != "nvfp4" or rht_quantize_provider(x, size, fmt, block) is None:
-        return None
-    return lambda x, rounding, seed, **given: fake_quantize_wgrad_operand(x.t(), rounding, seed, **given)
-
-
-def fake_dual_quantize_provider(x: torch.Tensor, size: int, fmt: str):
-    """A provider for ``runtime.register_fake_dual_quantize_provider``: ``fake_quantize_dual`` for a 2-D
-    NVFP4 CUDA tensor [tokens, K] (both multiples of 16), or None where it cannot take the call."""
-    if fmt != "nvfp4" or size != 16 or fake_quantize_provider(x, fmt, "1x16") is None:
-        return None
-    if x.dim() != 2 or x.shape[0] % 16:
-        return None
-    return fake_quantize_dual
-
-
-def rht_quantize_provider(x: torch.Tensor, size: int, fmt: str, block: str):
-    """A provider for ``runtime.register_rht_quantize_provider``: the fused transpose + 16-point RHT +
-    quantize kernels for a 2-D CUDA operand [K, tokens] (the transposed view the wgrad GEMM reads),
-    ``quantize_wgrad_operand`` for NVFP4 1x16 and ``quantize_wgrad_operand_mxfp4`` for MXFP4 1x32.
-
-    Returns a callable (x, rounding, seed) -> (data, scales, amax), or None where it cannot take the call.
-    """
-    if (fmt, block) not in (("nvfp4", "1x16"), ("mxfp4", "1x32")) or size != 16:
-        return None
-    if not x.is_cuda or x.dtype not in _INPUT_DTYPES or not available()[0] or x.dim() != 2 or x.numel() == 0:
-        return None
-    if x.shape[-1] % (32 if fmt == "mxfp4" else 16):
-        return None
-    if fmt == "mxfp4":
-        return lambda x, rounding, seed: quantize_wgrad_operand_mxfp4(x.t(), rounding, seed)
-    return lambda x, rounding, seed, **given: quantize_wgrad_operand(x.t(), rounding, seed, **given)
