@@ -325,7 +325,7 @@ def transpose_quantized(
     """(codes, scales) of W^T from those of W [N, K] quantized with NVFP4 16x16 tiles: codes [K, N/2] and
     scales [K, N/16] (the tile scales, repeated on each row, as ``formats`` stores them), or with ``layout``
     "swizzled" their tiled layout; W's scales in either layout (``scale_layout``). Bit for bit what
-    quantizing W^T gives (NUMERICS: one quantized weight for fprop and dgrad), without reading W."""
+    quantizing W^T gives (docs/numerics.md: one quantized weight for fprop and dgrad), without reading W."""
     n, k = (data.shape[0], data.shape[1] * 2) if data.dim() == 2 else (0, 0)
     tiled = scale_layout.is_swizzled(data, scales)
     if data.dim() != 2 or n % 16 or k % 16 or (scales.numel() != scale_layout.swizzled_numel(n, k // 16) if tiled

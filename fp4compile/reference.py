@@ -1,7 +1,7 @@
 """The reference implementations of the fp4 ops, on the plain-dtype tensors the ops pass around.
 
 Tensors cross op boundaries as packed E2M1 codes and E4M3/E8M0 scales in ``uint8``; these functions
-rebuild ``formats.QTensor`` and apply the numerics of ``fp4compile.formats`` (NUMERICS). They run on
+rebuild ``formats.QTensor`` and apply the numerics of ``fp4compile.formats`` (docs/numerics.md). They run on
 every device and are the last entry of each op in the executor table (``fp4compile.executors``): every
 faster implementation is held to their bits. The module imports only ``formats``, ``runtime`` and ``scale_layout``, so
 ``fp4compile.codegen`` (the CUTLASS self-test, the emulated GEMM) can use it without importing the ops.

@@ -5,8 +5,8 @@
 | ``"row_major"`` (default) | ``[..., rows, K/16]``, one byte per block | the emulation, ``fp4.transpose_quantized``, everything else |
 | ``"swizzled"`` | 1-D, ``round_up(rows, 128) * round_up(K/16, 4)`` bytes, zero padded | CUTLASS block-scaled GEMMs (``codegen.cutlass_runtime``) |
 
-The swizzled layout is ``formats.swizzle_scales`` of the row-major one (NUMERICS.md, "Scale layout for
-Blackwell kernels"). The quantize ops write it when asked (``layout="swizzled"``: the Triton kernels store
+The swizzled layout is ``formats.swizzle_scales`` of the row-major one (docs/numerics.md, "Scale layout for
+Blackwell GEMMs"). The quantize ops write it when asked (``layout="swizzled"``: the Triton kernels store
 each scale at its tiled offset, the reference swizzles its row-major result), so a GEMM on Blackwell reads
 its operands as they were written. Ops that read scales take either layout, telling them apart by
 dimension: a 2-D operand's scales are 2-D when row-major and 1-D when swizzled.

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fp4compile import config, executors
+from fp4compile import config, executors, runtime
 from fp4compile.sites import CompileContext
 
 KERNEL_OPS = {
@@ -196,8 +196,6 @@ class _StreamKeys:
             with fake_mode:
                 base.meta["val"] = torch.empty(2 * len(keys), dtype=torch.int64, device=device)
             if torch.cuda.is_initialized():
-                from fp4compile import runtime
-
                 runtime.device_keys(device, tuple(keys))
 
 

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from fp4compile import runtime
+from fp4compile.scale_layout import SWIZZLED, is_swizzled
 
 from .api import (
     available, block_decode, emulated_scaled_mm, fake_quantize_16x16, fake_quantize_1x16, fake_quantize_dual,
@@ -66,7 +67,7 @@ def _operand(x: torch.Tensor, multiple: int) -> tuple[bool, str]:
 
 def _swizzle(layout: str) -> dict:
     """The kernels' option for a scale layout: ``swizzle`` stores each scale at its 128x4-tiled offset."""
-    return {"swizzle": True} if layout == "swizzled" else {}
+    return {"swizzle": True} if layout == SWIZZLED else {}
 
 
 def check_quantize(x, fmt, block, rounding=None, seed=None, amax=None, seed_base=None, layout=None) -> tuple[bool, str]:
@@ -165,17 +166,12 @@ def _packed(data: torch.Tensor) -> tuple[bool, str]:
     return (True, "") if ok else (False, f"the Triton kernels cannot run here ({why})")
 
 
-def _tiled(data, scales) -> bool:
-    """Whether ``scales`` are in the 128x4 tiled layout (1-D for 2-D codes: ``scale_layout.is_swizzled``)."""
-    return data.dim() == 2 and scales.dim() == 1
-
-
 def check_transpose_quantized(data, scales, layout=None) -> tuple[bool, str]:
     return _packed(data)
 
 
 def transpose_quantized(data, scales, layout="row_major") -> tuple[torch.Tensor, torch.Tensor]:
-    return transpose_tiles(data, scales, swizzled=_tiled(data, scales), swizzle=layout == "swizzled")
+    return transpose_tiles(data, scales, swizzled=is_swizzled(data, scales), swizzle=layout == SWIZZLED)
 
 
 def check_decode_blocks(data, scales) -> tuple[bool, str]:
@@ -183,7 +179,7 @@ def check_decode_blocks(data, scales) -> tuple[bool, str]:
 
 
 def decode_blocks(data, scales) -> torch.Tensor:
-    return block_decode(data, scales, swizzled=_tiled(data, scales))
+    return block_decode(data, scales, swizzled=is_swizzled(data, scales))
 
 
 def check_emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
