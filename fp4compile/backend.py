@@ -387,11 +387,11 @@ _all_high_precision.pass_name = "switch_to_high_precision"
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(1)
 def _code_version() -> bytes:
     """A hash of fp4compile's installed code: its modules, passes, code generators and kernel templates."""
+    import hashlib
     from pathlib import Path
-
-    from torch._inductor.custom_graph_pass import get_hash_for_files
 
     import fp4compile.codegen
     import fp4compile.cutlass_templates
@@ -399,22 +399,40 @@ def _code_version() -> bytes:
 
     folders = {Path(m.__file__).resolve().parent for m in (
         fp4compile, fp4compile.passes, fp4compile.codegen, fp4compile.cutlass_templates)}
-    files = sorted(str(f) for d in folders for f in d.rglob("*") if f.suffix in (".py", ".j2", ".cu", ".cuh", ".cpp"))
-    return get_hash_for_files(tuple(files), extra="fp4compile")
+    files = sorted({f for d in folders for f in d.rglob("*") if f.suffix in (".py", ".j2", ".cu", ".cuh", ".cpp")})
+    digest = hashlib.sha256(b"fp4compile")
+    for f in files:
+        digest.update(str(f.relative_to(Path(fp4compile.__file__).resolve().parent.parent)).encode())
+        digest.update(f.read_bytes())
+    return digest.digest()
 
 
-def _version_pass():
-    """A post-grad pass that changes nothing and whose ``uuid()`` is fp4compile's code version: Inductor's
-    FX graph cache keys its entries on it, so a graph compiled by another version of fp4compile (whose
-    ops, kernels or generated calls may differ) is compiled again rather than served from the cache."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass
+def _version_pass(user):
+    """The post-grad pass fp4compile gives Inductor: the user's own post-grad passes (``user``, as Inductor's
+    ``post_grad_custom_pre_pass`` setting holds them: None, one pass or a list), run in order, under a
+    ``uuid()`` that adds fp4compile's code version to theirs. Inductor's FX graph cache keys its entries on
+    it, so a graph compiled by another version of fp4compile (whose ops, kernels or generated calls may
+    differ) is compiled again rather than served from the cache. A user pass without a uuid makes the
+    cache bypass the graph, as it would without fp4compile. One pass rather than a list, because not every
+    supported PyTorch takes a list there."""
+    from torch._inductor import custom_graph_pass as cgp
 
-    class _CodeVersion(CustomGraphPass):
-        def __call__(self, graph) -> None:
-            return None
+    passes = () if user is None else tuple(user) if isinstance(user, (list, tuple)) else (user,)
+    aware = getattr(cgp, "CustomInferenceAwareGraphPass", None)
 
-        def uuid(self) -> bytes:
-            return _code_version()
+    class _CodeVersion(aware or cgp.CustomGraphPass):
+        def __call__(self, graph, is_inference: bool = False) -> None:
+            for p in passes:
+                if aware is not None and isinstance(p, aware):
+                    p(graph, is_inference)
+                else:
+                    p(graph)
+
+        def uuid(self):
+            parts = [p.uuid() if isinstance(p, cgp.CustomGraphPass) else None for p in passes]
+            if not all(parts):
+                return None
+            return repr((tuple(parts), _code_version())).encode()
 
     return _CodeVersion()
 
@@ -428,14 +446,13 @@ def _compile_inductor(gm, example_inputs, aot_passes, config_patches):
     ``fp4_linear``."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-    from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
     def inner_compile(graph, inputs, **kwargs):
         stage = "backward" if kwargs.get("is_backward") else "forward"
         return compile_fx_inner(aot_passes(graph, stage), inputs, **kwargs)
 
     user = config_patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
-    patches = {**config_patches, "post_grad_custom_pre_pass": [*get_custom_graph_passes(user), _version_pass()]}
+    patches = {**config_patches, "post_grad_custom_pre_pass": _version_pass(user)}
     return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 

@@ -99,6 +99,31 @@ def test_inductor_matches_eager_inner():
     assert (gi - ge).norm() / ge.norm() < 5e-2
 
 
+def test_users_post_grad_passes_still_run_under_inductor():
+    """Inductor's post_grad_custom_pre_pass setting, as a user sets it (a list; one pass without a uuid),
+    still runs on the forward and backward graphs the backend compiles, and leaves the results alone."""
+    from torch._inductor import config as inductor_config
+
+    calls = {"first": 0, "second": 0}
+
+    def first(graph):
+        calls["first"] += 1
+
+    def second(graph):
+        calls["second"] += 1
+
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
+    results = []
+    for passes in (None, [first, second]):
+        torch._dynamo.reset()
+        model = _gpt(n_layer=4)
+        with inductor_config.patch(post_grad_custom_pre_pass=passes):
+            logits, loss = _train_step(model, Backend(inner="inductor", stochastic_rounding=False), idx)
+        results.append((logits.detach(), model.blocks[1].mlp.fc.weight.grad.clone()))
+    assert calls["first"] >= 2 and calls["first"] == calls["second"]  # forward and backward, each pass
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 @pytest.mark.slow
 def test_sr_gradients_are_unbiased_over_seeds():
     """With SR on, the mean weight gradient over many SR streams approaches the RNE-free exact one."""

@@ -184,16 +184,20 @@ def test_the_report_says_how_each_quantizer_runs_on_the_cpu(fresh_dynamo):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_gpu_in_graph_kernels_give_the_bits_of_the_ops(fresh_dynamo, mode):
-    """Inductor with the kernels in its code against the same graphs run op by op (inner="eager"): the
-    same logits and gradients, bit for bit, over three steps (fresh SR bits each)."""
+def test_gpu_in_graph_kernels_give_the_bits_of_the_ops(fresh_dynamo, monkeypatch, mode):
+    """Inductor with the kernels in its code against Inductor calling the fp4 ops (in-graph kernels off):
+    the same logits and gradients, bit for bit, over three steps (fresh SR bits each). Both compile the
+    same graph around the quantizers, so only how the quantizers run differs."""
+    from fp4compile import config
+
     results = {}
-    for inner in ("eager", "inductor"):
+    for in_graph in (False, True):
+        monkeypatch.setattr(config, "in_graph_kernels", in_graph)
         torch._dynamo.reset()
         torch.manual_seed(0)
         runtime.manual_seed(7)
         model = Stack(256).cuda()
-        backend = Backend(inner=inner, mode=mode if inner == "inductor" else None)
+        backend = Backend(inner="inductor", mode=mode)
         compiled = torch.compile(model, backend=backend)
         outs = []
         for step in range(3):
@@ -202,15 +206,17 @@ def test_gpu_in_graph_kernels_give_the_bits_of_the_ops(fresh_dynamo, mode):
             y.square().sum().backward()
             outs.append((y.detach().clone(), [p.grad.clone() for p in model.parameters()]))
             model.zero_grad(set_to_none=True)
-        results[inner] = outs
-        if inner == "inductor":
-            choices = backend.report.quantizer_kernels()
+        results[in_graph] = outs
+        choices = backend.report.quantizer_kernels()
+        final = [g for ctx in backend.report.latest for g in ctx.final_graphs.values()]
+        targets = {str(n.target) for g in final for n in g.nodes if n.op == "call_function"}
+        if in_graph:
             assert choices and all(impl == "in-graph triton" for _, impl, _ in choices), choices
-            final = [g for ctx in backend.report.latest for g in ctx.final_graphs.values()]
-            targets = {str(n.target) for g in final for n in g.nodes if n.op == "call_function"}
             assert "triton_kernel_wrapper_functional" in targets
             assert not any(t.startswith("fp4.") and "quantize" in t for t in targets), targets
-    for (y_e, g_e), (y_i, g_i) in zip(results["eager"], results["inductor"]):
-        assert torch.equal(y_e, y_i)
-        for a, b in zip(g_e, g_i):
-            assert torch.equal(a, b)
+        else:
+            assert choices and all(impl == "triton" for _, impl, _ in choices), choices
+            assert "triton_kernel_wrapper_functional" not in targets
+    for step, ((y_e, g_e), (y_i, g_i)) in enumerate(zip(results[False], results[True])):
+        for name, a, b in [("logits", y_e, y_i), *((f"grad {i}", a, b) for i, (a, b) in enumerate(zip(g_e, g_i)))]:
+            assert torch.equal(a, b), f"step {step} {name}: {(a != b).sum().item()} of {a.numel()} differ"
