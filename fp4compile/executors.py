@@ -18,7 +18,7 @@ tensor has too (device, dtype, shape) and the op's constant arguments.
 | ``wgrad_amax`` | x, size | ``triton``, ``reference`` |
 | ``transpose_quantized`` | data, scales, layout | ``triton``, ``reference`` |
 | ``decode_blocks`` | data, scales | ``triton``, ``reference`` |
-| ``emulated_mm`` | a, a_amax, b, b_amax, fmt, out_dtype | ``triton`` (cuBLASLt or the epilogue kernel), ``cuda-bf16`` (MXFP4), ``reference`` |
+| ``emulated_mm`` | a, a_amax, b, b_amax, fmt, out_dtype | ``cublaslt`` (alpha in its epilogue), ``triton`` (torch.mm to fp32, then the epilogue kernel; in the graph), ``cuda-bf16`` (MXFP4), ``reference`` |
 | ``scaled_mm`` | a ``GemmSpec``, when the graph is compiled | ``cutlass`` (sm_100), ``emulation`` |
 
 ``triton`` takes CUDA tensors where ``codegen.triton_kernels`` can run (its checks and calls are in
@@ -210,9 +210,9 @@ def _dispatch():
     return dispatch
 
 
-def _triton(op: str, in_graph: bool = True) -> Implementation:
-    """The Triton kernels' entry for ``op`` (``codegen.triton_kernels.dispatch``), imported on the first
-    call with a CUDA tensor, so that CPU runs never import Triton."""
+def _triton(op: str, in_graph: bool = True, name: str = "triton") -> Implementation:
+    """The Triton kernels' entry for ``op`` (``codegen.triton_kernels.dispatch``: ``check_<op>`` and
+    ``<op>``), imported on the first call with a CUDA tensor, so that CPU runs never import Triton."""
 
     def check(first, *args):
         if first.device.type != "cuda":
@@ -222,7 +222,7 @@ def _triton(op: str, in_graph: bool = True) -> Implementation:
     def call(*args):
         return getattr(_dispatch(), op)(*args)
 
-    return Implementation("triton", check, call, in_graph)
+    return Implementation(name, check, call, in_graph)
 
 
 # -- the run-time ops -----------------------------------------------------------------------------
@@ -286,7 +286,8 @@ _define("fake_dual_quantize", "x size fmt rounding seed amax rounding_t seed_t a
 _define("wgrad_amax", "x size", _triton("wgrad_amax"), _reference(reference.wgrad_amax))
 _define("transpose_quantized", "data scales layout", _triton("transpose_quantized"), _reference(reference.transpose_quantized))
 _define("decode_blocks", "data scales", _triton("decode_blocks"), _reference(reference.decode_blocks))
-_define("emulated_mm", "a a_amax b b_amax fmt out_dtype", _triton("emulated_mm", in_graph=False),
+_define("emulated_mm", "a a_amax b b_amax fmt out_dtype", _triton("cublaslt_mm", in_graph=False, name="cublaslt"),
+        _triton("emulated_mm"),
         Implementation("cuda-bf16", _check_cuda_bf16, _cuda_bf16), _reference(reference.decoded_product))
 
 

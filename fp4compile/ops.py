@@ -414,15 +414,16 @@ def _(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, kernel):
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)
 
 
-@_custom_op("fp4::emulated_mm")
+@_kernel_op("fp4::emulated_mm")
 def emulated_mm(
     a: torch.Tensor, a_amax: torch.Tensor, b: torch.Tensor, b_amax: torch.Tensor, fmt: str, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """C = A @ B.T for block-decoded operands A [M, K], B [N, K] (bfloat16, from ``fp4.fake_quantize``):
     fp32 accumulation, then alpha = ``formats.gemm_alpha(a_amax, b_amax)`` (NVFP4) once, cast to
-    ``out_dtype``; the arithmetic of ``fp4.scaled_mm``'s emulation on the same operands. On CUDA:
-    ``triton_kernels.emulated_scaled_mm`` (alpha in cuBLASLt's epilogue, or an fp32 output and the
-    Triton epilogue kernel)."""
+    ``out_dtype``; the arithmetic of ``fp4.scaled_mm``'s emulation on the same operands. On CUDA: one
+    cuBLASLt GEMM with alpha in its epilogue where ``codegen.cublaslt_gemm`` runs, else ``torch.mm``
+    with an fp32 output and the Triton epilogue kernel (``triton_kernels.emulated_scaled_mm``), which the
+    ``lower_kernels`` pass puts into the graph Inductor compiles."""
     return executors.run("emulated_mm", a, a_amax, b, b_amax, fmt, out_dtype)
 
 

@@ -1,21 +1,23 @@
-"""decode_for_emulation: emulated NVFP4 GEMMs on CUDA read operands their quantizer wrote decoded.
+"""decode_for_emulation: emulated NVFP4 GEMMs on CUDA become a BF16 GEMM of decoded operands in the graph.
 
 Requires: ``lower_scaled_mm`` and ``fuse_rht_quantize``.
-Guarantees: with ``Recipe(decoded_operands=True)`` (what the backend makes of the default ``None`` when
-it compiles with CUDA graphs; otherwise the pass changes nothing), every 2-D ``fp4.scaled_mm`` on a CUDA device with the ``emulation`` kernel and NVFP4 whose
-operands come straight from ``fp4.quantize`` / ``fp4.rht_quantize`` nodes (used by that GEMM alone)
-becomes ``fp4.emulated_mm(a_bd, a_amax, b_bd, b_amax, fmt, dtype)`` on ``fp4.fake_quantize`` /
-``fp4.fake_rht_quantize`` nodes with the same arguments (seed, check label, metadata): the same codes
-and scales, but the quantizing kernel writes value(code) * block scale in BF16 (exact) instead of packed
-codes, so no decode pass runs before the GEMM. The result has the bits of the ``scaled_mm`` it replaces.
-alpha stays inside ``fp4.emulated_mm`` (applied by the GEMM's epilogue, see ``codegen.cublaslt_gemm``):
-as graph nodes fused by Inductor into the consumer (a multiply and the bias add can become one FMA) the
-bits changed.
-An operand whose packed form something else also reads (the weight quantized once for fprop and dgrad
-and kept for the backward, its transposed form, a sharded-amax quantization) is decoded by
-``fp4.decode_blocks`` instead (one pass over the packed codes); dgrad's W^T, the
-``fp4.transpose_quantized`` of the kept weight, is W decoded as stored and read transposed (an
-``aten.permute`` view), so the packed transpose no longer runs.
+Guarantees: every 2-D ``fp4.scaled_mm`` on a CUDA device with the ``emulation`` kernel and NVFP4 becomes
+``fp4.emulated_mm(a_bd, a_amax, b_bd, b_amax, fmt, dtype)`` on block-decoded BF16 operands (exact), so
+the decode, the GEMM and its epilogue are separate graph nodes that ``lower_kernels`` puts into the code
+Inductor compiles, rather than one opaque op call. The result has the bits of the ``scaled_mm`` it
+replaces (the same decode, the same GEMM, alpha once in the epilogue).
+Each operand is decoded by ``fp4.decode_blocks`` right before the GEMM (the packed form is what is kept,
+e.g. saved for the backward), except with ``Recipe(decoded_operands=True)`` (what the backend makes of
+the default ``None`` when it compiles with CUDA graphs): an operand that comes straight from a
+``fp4.quantize`` / ``fp4.rht_quantize`` node used by that GEMM alone is written decoded by its
+quantizer instead, a ``fp4.fake_quantize`` / ``fp4.fake_rht_quantize`` node with the same arguments
+(seed, check label, metadata): the same codes and scales, written as value(code) * block scale in BF16,
+so no decode pass runs before the GEMM.
+alpha stays inside ``fp4.emulated_mm`` (applied by the GEMM's epilogue, see ``codegen.cublaslt_gemm``, or
+by its epilogue kernel): as graph nodes fused by Inductor into the consumer (a multiply and the bias add
+can become one FMA) the bits changed.
+dgrad's W^T, the ``fp4.transpose_quantized`` of the kept weight, is W decoded as stored and read
+transposed (an ``aten.permute`` view), so the packed transpose no longer runs.
 CUTLASS GEMMs (Blackwell), MXFP4, batched GEMMs and CPU graphs keep ``scaled_mm``.
 """
 
@@ -83,9 +85,8 @@ def _erase_with_items(gm: fx.GraphModule, node: fx.Node) -> None:
 
 
 def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    if not ctx.recipe.decoded_operands:
-        return gm
-    replaced = 0
+    decoded = bool(ctx.recipe.decoded_operands)
+    replaced = by_quantizer = 0
     for mm in list(gm.graph.nodes):
         if mm.op != "call_function" or mm.target is not SCALED_MM:
             continue
@@ -94,7 +95,7 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
             continue
         if a.meta["val"].dim() != 2 or b.meta["val"].dim() != 2:
             continue
-        sources = [_quantize_of(mm, (a, sa, amax_a)), _quantize_of(mm, (b, sb, amax_b))]
+        sources = [_quantize_of(mm, (a, sa, amax_a)), _quantize_of(mm, (b, sb, amax_b))] if decoded else [None, None]
         operands = []
         for q, (codes, scales, amax) in zip(sources, ((a, sa, amax_a), (b, sb, amax_b))):
             if q is None:
@@ -124,8 +125,10 @@ def decode_for_emulation(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphMod
         for q in (q for q in sources if q is not None):
             _erase_with_items(gm, q)
         replaced += 1
+        by_quantizer += sum(q is not None for q in sources)
     for t in [n for n in gm.graph.nodes if n.target is TRANSPOSE_QUANTIZED]:
         if all(not item.users for item in t.users):  # a packed transpose no GEMM reads any more
             _erase_with_items(gm, t)
-    ctx.note(f"graph {ctx.graph_id}: {replaced} emulated GEMMs read decoded operands")
+    ctx.note(f"graph {ctx.graph_id}: {replaced} emulated GEMMs read decoded operands "
+             f"({by_quantizer} written decoded by their quantizer, the rest by fp4.decode_blocks)")
     return gm

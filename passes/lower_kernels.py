@@ -4,17 +4,18 @@ Requires: the final forward or backward graph (after ``fuse_amax``), nodes with 
 (``meta["val"]``).
 Guarantees: where the graph goes to Inductor (``ctx.inner == "inductor"``), every kernel op
 (``fp4.quantize``, ``fp4.rht_quantize``, ``fp4.fake_quantize``, ``fp4.fake_rht_quantize``,
-``fp4.fake_dual_quantize``, ``fp4.wgrad_amax``, ``fp4.transpose_quantized``, ``fp4.decode_blocks``)
-whose call the Triton kernels take is replaced by the op's implementation traced
-functionally: its buffer allocations and its Triton kernels as ``triton_kernel_wrapper_functional``
-nodes. Inductor compiles those kernels with its own (asynchronously, into its on-disk caches), launches
+``fp4.fake_dual_quantize``, ``fp4.wgrad_amax``, ``fp4.transpose_quantized``, ``fp4.decode_blocks``,
+``fp4.emulated_mm``) whose call the Triton kernels take is replaced by the op's implementation traced
+functionally: its buffer allocations, aten ops (the emulated GEMM's ``torch.mm``) and its Triton
+kernels as ``triton_kernel_wrapper_functional`` nodes. Inductor compiles those kernels with its own (asynchronously, into its on-disk caches), launches
 them from its generated code and records them in CUDA graphs like its own. Quantizers with stochastic
 rounding read the step's base, mixed with their node constants, from one ``fp4.sr_base`` node per
 device at the top of the graph.
 
 Which implementation takes a node is the executor table's choice for its fake values
 (``executors.choose``); only one that can be traced into the graph (``Implementation.in_graph``: the
-Triton kernels) is. An op stays one node, run by its implementation when the graph runs, where: the
+Triton kernels; not the emulated GEMM's cuBLASLt path, which calls cuBLASLt through nvmath-python) is.
+An op stays one node, run by its implementation when the graph runs, where: the
 table chose another implementation (the tensor is not on a CUDA device, Triton's kernels cannot run or
 do not take the shape; the reason says which declined and why); the inner compiler is not Inductor;
 in-graph kernels are off; the op checks its output for non-finite values (``check`` label: a read back
@@ -43,6 +44,7 @@ KERNEL_OPS = {
     torch.ops.fp4.wgrad_amax.default: "fp4.wgrad_amax",
     torch.ops.fp4.transpose_quantized.default: "fp4.transpose_quantized",
     torch.ops.fp4.decode_blocks.default: "fp4.decode_blocks",
+    torch.ops.fp4.emulated_mm.default: "fp4.emulated_mm",
 }
 SR_BASE = torch.ops.fp4.sr_base.default
 _CHECK_ARGS = ("check", "check_t")

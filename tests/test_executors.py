@@ -92,7 +92,7 @@ def test_no_codegen_source_imports_the_ops():
 def test_the_table_orders_each_op():
     assert executors.implementations("quantize") == ("triton", "reference")
     assert executors.implementations("rht_quantize") == ("triton", "unfused")
-    assert executors.implementations("emulated_mm") == ("triton", "cuda-bf16", "reference")
+    assert executors.implementations("emulated_mm") == ("cublaslt", "triton", "cuda-bf16", "reference")
     assert executors.implementations("scaled_mm") == ("cutlass", "emulation")
     assert executors.arguments("wgrad_amax") == ("x", "size")
 

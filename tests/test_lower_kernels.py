@@ -63,7 +63,8 @@ _SIMULATED = textwrap.dedent("""
         c = torch.ops.fp4.fake_quantize(x, "nvfp4", "1x16", "rne", 16, "layer fprop a")[0]
         s1 = torch.ops.fp4.fake_quantize(dy, "nvfp4", "1x16", "sr", -(2**62) - 17, "", xa)[0]
         s2 = torch.ops.fp4.fake_quantize(dy, "nvfp4", "1x16", "sr", 18, "", xa)[0]
-        return xb, wb, wtd, wts, g, gt, r, xamax, wa, ramax, c, s1, s2, g2, gt2
+        y = torch.ops.fp4.emulated_mm(xb, xamax, wb, wa, "nvfp4", torch.bfloat16)
+        return xb, wb, wtd, wts, g, gt, r, xamax, wa, ramax, c, s1, s2, g2, gt2, y
 
     with FakeTensorMode():
         x = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
@@ -109,23 +110,25 @@ def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():
     # Every kernel op is gone but the one that checks its output (a read back to the host).
     assert after.get("fp4.fake_quantize.default") == 1
     for op in ("quantize", "rht_quantize", "fake_rht_quantize", "fake_dual_quantize", "wgrad_amax",
-               "transpose_quantized", "decode_blocks"):
+               "transpose_quantized", "decode_blocks", "emulated_mm"):
         assert f"fp4.{op}.default" not in after, op
     # The kernels: wgrad_amax x2 (one each), fake_quantize x3 (one pass each: amax given), quantize 16x16
-    # (amax + quantize), decode, transpose, dual x2 (one each), fake_rht_quantize (amax + quantize).
-    assert after["triton_kernel_wrapper_functional"] == 2 + 3 + 2 + 1 + 1 + 2 + 2
+    # (amax + quantize), decode, transpose, dual x2 (one each), fake_rht_quantize (amax + quantize), and
+    # the emulated GEMM's alpha and epilogue around its torch.mm (an fp32 output).
+    assert after["triton_kernel_wrapper_functional"] == 2 + 3 + 2 + 1 + 1 + 2 + 2 + 2
+    assert after["aten.mm.dtype"] == 1
     # One op mixes the step's base with every SR stream's constant (7 streams: the dual quantizers have
     # two); each kernel reads its own element through a view, no kernel per stream.
     assert after["fp4.sr_base.default"] == 1 and after["aten.slice.Tensor"] == 7
     assert "aten.bitwise_xor.Scalar" not in after
     choices = {(c[2], c[3], c[4]) for c in result["choices"]}
     assert ("fp4.fake_quantize", "triton", "it checks its output for non-finite values (a read back to the host)") in choices
-    assert sum(c[3] == "in-graph triton" for c in result["choices"]) == 11
+    assert sum(c[3] == "in-graph triton" for c in result["choices"]) == 12
     # Inductor can lower everything the kernels' traces hold (their buffers come as ``aten.full``/``empty``).
     assert result["unlowered"] == []
     # Inductor's analysis of each kernel finds it writing only the buffers made for it, never an input: a
     # kernel Inductor thinks writes its input gets a copy of that input before every launch.
-    assert len(result["writes"]) == 13
+    assert len(result["writes"]) == 15
     for written in result["writes"]:
         assert written and all(t.startswith(("aten.empty", "aten.full")) for t in written), written
     # Two SR quantizers of one tensor with different seeds launch kernels with equal scalar arguments (the
@@ -163,7 +166,7 @@ def test_in_graph_kernels_can_be_turned_off():
     assert result["after"] == result["before"]  # every kernel op stays one op call
     assert result["writes"] == []
     assert {c[3] for c in result["choices"]} == {"triton"}  # op calls that launch the kernels
-    assert sum("in-graph kernels are off" in c[4] for c in result["choices"]) == 12
+    assert sum("in-graph kernels are off" in c[4] for c in result["choices"]) == 13
 
 
 def test_the_report_says_how_each_quantizer_runs_on_the_cpu(fresh_dynamo):

@@ -321,16 +321,52 @@ def _run_with_grads(gm, example, ctx, passes):
 LOWERED = [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize]
 
 
-@pytest.mark.parametrize("decoded, on_cuda", [(True, False), (False, True)])
-def test_decode_for_emulation_needs_cuda_and_the_recipe_flag(marked, monkeypatch, decoded, on_cuda):
+@pytest.mark.parametrize("decoded", [True, False])
+def test_decode_for_emulation_needs_cuda(marked, monkeypatch, decoded):
     gm, example, ctx = marked
     ctx.recipe = ctx.recipe.replace(decoded_operands=decoded)
-    monkeypatch.setattr(decode_module, "applies", lambda mm: on_cuda)
+    monkeypatch.setattr(decode_module, "applies", lambda mm: False)
     graphs = aot_graphs(gm, example, ctx, LOWERED + [decode_for_emulation])
     assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 4
     assert len(role_nodes(graphs["backward"], F4.scaled_mm.default)) == 8
     for graph in graphs.values():
         assert role_nodes(graph, F4.emulated_mm.default) == []
+
+
+def test_decode_for_emulation_with_packed_operands_decodes_before_each_gemm(marked, monkeypatch):
+    """Recipe(decoded_operands=False) on CUDA (forced here on the CPU): every emulated NVFP4 GEMM becomes
+    fp4.emulated_mm on fp4.decode_blocks of the packed operands, which the quantizers still write (and
+    the backward still keeps); dgrad reads W decoded as stored, transposed. The same bits."""
+    gm, example, ctx = marked
+    import fp4compile
+
+    ctx.recipe = ctx.recipe.replace(decoded_operands=False)
+    fp4compile.manual_seed(3)
+    plain, y_ref, grads_ref = _run_with_grads(gm, example, ctx, LOWERED)
+    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    fp4compile.manual_seed(3)
+    graphs, y, grads = _run_with_grads(gm, example, ctx, LOWERED + [decode_for_emulation])
+    quantizers = (F4.quantize.default, F4.rht_quantize.default)
+    for stage, graph in graphs.items():
+        assert role_nodes(graph, F4.scaled_mm.default) == []
+        assert role_nodes(graph, F4.transpose_quantized.default) == []
+        assert [n for n in graph.graph.nodes if n.target in (F4.fake_quantize.default, F4.fake_rht_quantize.default)] == []
+        # The quantizers are those of the packed graph.
+        assert sum(n.target in quantizers for n in graph.graph.nodes) == sum(
+            n.target in quantizers for n in plain[stage].graph.nodes)
+        gemms = role_nodes(graph, F4.emulated_mm.default)
+        assert len(gemms) == {"forward": 4, "backward": 8}[stage]
+        assert len(role_nodes(graph, F4.decode_blocks.default)) == 2 * len(gemms)
+        for mm in gemms:
+            for operand in (mm.args[0], mm.args[2]):
+                if operand.target is torch.ops.aten.permute.default:  # dgrad's W^T
+                    assert mm.meta["fp4_role"].role == "dgrad" and operand.args[1] == [1, 0]
+                    operand = operand.args[0]
+                assert operand.target is F4.decode_blocks.default
+    assert torch.equal(y, y_ref)
+    assert len(grads) == len(grads_ref) > 0
+    for g, g_ref in zip(grads, grads_ref):
+        assert torch.equal(g, g_ref)
 
 
 def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked_unshared, monkeypatch):

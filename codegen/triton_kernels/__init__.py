@@ -19,7 +19,8 @@ over the tensor per kernel.
 | ``fake_quantize_dual(x, ..)`` | both decoded operands of a gradient: 1x16 and RHT(x^T), one launch | the two ``fake_quantize_*`` |
 | ``dequantize`` / ``block_decode`` | decoded tensor from codes and scales | ``formats.dequantize`` / ``block_decode`` |
 | ``transpose_tiles(data, scales)`` | codes and scales of W^T from a 16x16-tile quantized W | ``QTensor.transpose()`` |
-| ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alpha | ``reference.scaled_mm_reference`` |
+| ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alpha: torch.mm, then an epilogue kernel | ``reference.scaled_mm_reference`` |
+| ``cublaslt_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | the same in one cuBLASLt GEMM, alpha in its epilogue | ``reference.scaled_mm_reference`` |
 
 The fake-quant outputs are exact in bf16 (an E2M1 value times an E4M3 scale has at most 6 significant
 bits), so an emulated FP4 GEMM is a plain bf16 GEMM with fp32 accumulation followed by the per-tensor
@@ -60,7 +61,7 @@ from . import api, decode, dispatch, launch, mx, numerics, rht, rows
 from .api import (
     available, global_amax, wgrad_amax, quantize_1x16, quantize_16x16, quantize_wgrad_operand, quantize_mxfp4,
     quantize_wgrad_operand_mxfp4, fake_quantize_1x16, fake_quantize_16x16, fake_quantize_wgrad_operand,
-    fake_quantize_dual, dequantize, block_decode, transpose_tiles, emulated_scaled_mm, gemm_alpha,
+    fake_quantize_dual, dequantize, block_decode, transpose_tiles, emulated_scaled_mm, cublaslt_scaled_mm, gemm_alpha,
 )
 from .launch import CONFIGS
 
@@ -81,6 +82,7 @@ __all__ = [
     "block_decode",
     "transpose_tiles",
     "emulated_scaled_mm",
+    "cublaslt_scaled_mm",
     "gemm_alpha",
     "CONFIGS",
 ]

@@ -402,30 +402,17 @@ def emulated_scaled_mm(
 ) -> torch.Tensor:
     """C = A @ B^T for block-decoded operands A [M, K], B [N, K] (bf16, from fake_quantize_* or block_decode).
 
-    fp32 accumulation, then ``cast(acc * alpha)`` with ``alpha = formats.gemm_alpha(amax_a, amax_b)``: the
-    arithmetic of ``reference.scaled_mm_reference``, up to the GEMM's summation order. On CUDA with
-    ``codegen.cublaslt_gemm`` enabled, one cuBLASLt GEMM reads alpha in its epilogue and writes the
-    bfloat16 output; otherwise ``torch.mm`` writes fp32 and ``_epilogue_kernel`` applies alpha.
+    fp32 accumulation (``torch.mm`` with an fp32 output), then ``cast(acc * alpha)`` with
+    ``alpha = formats.gemm_alpha(amax_a, amax_b)`` in ``_epilogue_kernel``: the arithmetic of
+    ``reference.scaled_mm_reference``, up to the GEMM's summation order. Every step is a kernel launch or
+    an aten op, so the ``lower_kernels`` pass can trace it into the graph Inductor compiles.
+    ``cublaslt_scaled_mm`` does the same in one cuBLASLt GEMM with alpha in its epilogue.
     """
     _require_triton()
     if a_bd.dim() != 2 or b_bd.dim() != 2 or a_bd.shape[1] != b_bd.shape[1]:
         raise ValueError(f"emulated_scaled_mm needs A [M, K] and B [N, K], got {tuple(a_bd.shape)} and {tuple(b_bd.shape)}")
     alpha = gemm_alpha(amax_a.to(a_bd.device), amax_b)
     if a_bd.is_cuda:
-        from .. import cublaslt_gemm
-
-        if cublaslt_gemm.enabled():
-            try:
-                if out_dtype not in (torch.bfloat16, torch.float32) or not a_bd.dtype == b_bd.dtype == torch.bfloat16:
-                    raise cublaslt_gemm.Unsupported(
-                        f"the cuBLASLt path takes bfloat16 operands and a bfloat16 or float32 output, got "
-                        f"{a_bd.dtype} x {b_bd.dtype} -> {out_dtype}"
-                    )
-                return cublaslt_gemm.mm_alpha(a_bd, b_bd, alpha, out_dtype)
-            except cublaslt_gemm.Unsupported as err:
-                if cublaslt_gemm.required():
-                    raise
-                cublaslt_gemm.log_fallback(err)
         acc = torch.mm(a_bd, b_bd.t(), out_dtype=torch.float32)
     else:
         acc = a_bd.float() @ b_bd.float().t()
@@ -437,3 +424,26 @@ def emulated_scaled_mm(
     _launch(_epilogue_kernel, (triton.cdiv(n, cfg["BLOCK"]),), acc, alpha, out, n, BLOCK=cfg["BLOCK"],
             **_launch_options(cfg))
     return out
+
+
+def cublaslt_scaled_mm(
+    a_bd: torch.Tensor, amax_a: torch.Tensor, b_bd: torch.Tensor, amax_b: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``emulated_scaled_mm`` as one cuBLASLt GEMM that reads alpha in its epilogue and writes ``out_dtype``
+    (``codegen.cublaslt_gemm``); a problem cuBLASLt offers no algorithm for runs ``emulated_scaled_mm``,
+    logged once, unless ``FP4COMPILE_EMULATED_GEMM=cublaslt`` makes that an error."""
+    from .. import cublaslt_gemm
+
+    try:
+        if out_dtype not in (torch.bfloat16, torch.float32) or not a_bd.dtype == b_bd.dtype == torch.bfloat16:
+            raise cublaslt_gemm.Unsupported(
+                f"the cuBLASLt path takes bfloat16 operands and a bfloat16 or float32 output, got "
+                f"{a_bd.dtype} x {b_bd.dtype} -> {out_dtype}"
+            )
+        return cublaslt_gemm.mm_alpha(a_bd, b_bd, gemm_alpha(amax_a.to(a_bd.device), amax_b), out_dtype)
+    except cublaslt_gemm.Unsupported as err:
+        if cublaslt_gemm.required():
+            raise
+        cublaslt_gemm.log_fallback(err)
+    return emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b, out_dtype)

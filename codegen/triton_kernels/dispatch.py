@@ -19,7 +19,7 @@ from fp4compile import runtime
 from fp4compile.scale_layout import SWIZZLED, is_swizzled
 
 from .api import (
-    available, block_decode, emulated_scaled_mm, fake_quantize_16x16, fake_quantize_1x16, fake_quantize_dual,
+    available, block_decode, cublaslt_scaled_mm, emulated_scaled_mm, fake_quantize_16x16, fake_quantize_1x16, fake_quantize_dual,
     fake_quantize_wgrad_operand, quantize_16x16, quantize_1x16, quantize_mxfp4, quantize_wgrad_operand,
     quantize_wgrad_operand_mxfp4, transpose_tiles, wgrad_amax as _wgrad_amax,
 )
@@ -183,7 +183,7 @@ def decode_blocks(data, scales) -> torch.Tensor:
 
 
 def check_emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
-    """The BF16 GEMM of decoded NVFP4 operands with alpha in cuBLASLt's epilogue (or the epilogue kernel)."""
+    """The BF16 GEMM of decoded NVFP4 operands with an fp32 output, then the epilogue kernel (alpha)."""
     if fmt != "nvfp4":
         return False, f"alpha is NVFP4's: {fmt} operands need no epilogue"
     if a.dim() != 2 or b.dim() != 2:
@@ -193,3 +193,21 @@ def check_emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
 
 def emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> torch.Tensor:
     return emulated_scaled_mm(a, a_amax, b, b_amax, out_dtype)
+
+
+def check_cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
+    """One cuBLASLt GEMM with alpha in its epilogue (``codegen.cublaslt_gemm``, ``config.emulated_gemm``)."""
+    from .. import cublaslt_gemm
+
+    ok, why = check_emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype)
+    if not ok:
+        return ok, why
+    if not cublaslt_gemm.enabled():
+        if cublaslt_gemm.available()[0]:
+            return False, "cuBLASLt GEMMs are off (FP4COMPILE_EMULATED_GEMM=torch)"
+        return False, "cuBLASLt GEMMs cannot run here: " + cublaslt_gemm.available()[1]
+    return True, ""
+
+
+def cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> torch.Tensor:
+    return cublaslt_scaled_mm(a, a_amax, b, b_amax, out_dtype)
