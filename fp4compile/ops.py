@@ -457,6 +457,19 @@ def _autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _shared_weight_layout(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> str:
+    """The scale layout of a weight quantized once for fprop and dgrad: the 128x4 tiled layout where the
+    fprop GEMM gets a CUTLASS kernel (which reads only that layout; the backward's transpose and the
+    decode read either), so no separate swizzle runs before it; else row-major. Decided here, while
+    the forward and backward are traced, because the kept scales' shape (1-D when tiled) is part of
+    both graphs."""
+    m, (n, k) = x2.shape[0], weight.shape
+    if weight.dim() != 2 or not all(isinstance(d, int) for d in (m, n, k)):
+        return "row_major"
+    choice = executors.choose_gemm(m, n, k, "nvfp4", dtype, x2.device)
+    return scale_layout.SWIZZLED if choice.name.startswith("cutlass:") else "row_major"
+
+
 class _LinearFunction(torch.autograd.Function):
     """y = x W^T + b whose forward and backward are three role-tagged ``fp4.gemm`` calls.
 
@@ -471,7 +484,8 @@ class _LinearFunction(torch.autograd.Function):
         if share_weight is not None:
             # One 16x16-tile quantization of W for fprop and (transposed) dgrad: saved packed for backward.
             seed, check = share_weight
-            wq = list(torch.ops.fp4.quantize(weight, "nvfp4", "16x16", "rne", seed, check))
+            layout = _shared_weight_layout(x2, weight, dtype)
+            wq = list(torch.ops.fp4.quantize(weight, "nvfp4", "16x16", "rne", seed, check, layout=layout))
         x_amax = x_rht_amax = None
         if share_amax is not None:
             # One read of X for both of its amaxes: fprop's, and wgrad's after the RHT, saved for backward.
@@ -514,7 +528,8 @@ def linear(
 
     ``share_weight=(seed, check)``: quantize the weight once, NVFP4 with 16x16 tiles (the quantize node's
     seed constant and check label), for the fprop GEMM and, transposed, for the dgrad GEMM; the packed
-    weight is what the backward keeps. ``None``: each GEMM's operands are quantized by the passes.
+    weight is what the backward keeps (its scales tiled where fprop runs on CUTLASS, see
+    ``_shared_weight_layout``). ``None``: each GEMM's operands are quantized by the passes.
     ``share_amax=size``: the forward computes X's two NVFP4 amaxes in one read (``fp4.wgrad_amax(X,
     size)``): max |X| for fprop and max |RHT(X^T)| (``size``-token chunks), which the backward keeps for
     wgrad instead of reading X again for it. ``None``: each quantizer finds its own amax.

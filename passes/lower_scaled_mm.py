@@ -11,10 +11,12 @@ are high-precision GEMMs. Batched GEMMs (activation matmuls with leading dims) r
 On a Blackwell GPU, an FP4 GEMM that gets no CUTLASS kernel is an error naming the site, role, shape
 and reason (``executors.CutlassRequired``) unless ``Recipe.allow_emulation``.
 A CUTLASS GEMM reads its scales in the 128x4 tiled layout (``fp4compile.scale_layout``), so nothing is
-rearranged per call: each operand's producer (``fp4.quantize``, or dgrad's ``fp4.transpose_quantized``)
+rearranged per call: each operand's producer (``fp4.quantize``, ``fp4.quantize_sharded``, or dgrad's
+``fp4.transpose_quantized``)
 whose scales only CUTLASS GEMMs read is asked to write that layout (``layout="swizzled"``, its metadata
-updated). Where something else also reads them (the weight quantized once in the forward, kept
-row-major for the backward's transpose), or the producer cannot write it (a sharded-amax quantize), an
+updated); the weight quantized once for fprop and dgrad arrives tiled already (its layout is chosen
+when the forward and backward are traced, ``ops._shared_weight_layout``). Where something else also
+reads row-major scales, or the producer cannot write the layout, an
 ``fp4.swizzle_scales`` node rearranges them for the GEMM: logged with the reason, which the site's
 ``RoleInfo.kernel_reason`` records.
 """
@@ -30,12 +32,12 @@ import torch.fx as fx
 from fp4compile import executors, scale_layout
 from fp4compile.sites import CompileContext, example_values
 
-from .insert_quantize import DEQUANTIZE, QUANTIZE, TRANSPOSE_QUANTIZED
+from .insert_quantize import DEQUANTIZE, QUANTIZE, QUANTIZE_SHARDED, TRANSPOSE_QUANTIZED
 from .plan_gemm_roles import gemm_nodes
 
 SCALED_MM = torch.ops.fp4.scaled_mm.default
 SWIZZLE_SCALES = torch.ops.fp4.swizzle_scales.default
-SWIZZLING = (QUANTIZE, TRANSPOSE_QUANTIZED)  # producers that write the tiled layout when asked
+SWIZZLING = (QUANTIZE, TRANSPOSE_QUANTIZED, QUANTIZE_SHARDED)  # producers that write the tiled layout when asked
 _SCALES_ARGS = (1, 4)  # where fp4.scaled_mm takes A's and B's scales
 
 log = logging.getLogger("fp4compile")

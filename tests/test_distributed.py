@@ -130,6 +130,8 @@ def _tensor_parallel_quantize(rank: int) -> dict:
         shard = shard.contiguous()
         out[split] = tuple(torch.ops.fp4.quantize_sharded(shard, "nvfp4", "16x16", "rne", 0, "", group))
         out[split + "_local"] = tuple(torch.ops.fp4.quantize(shard, "nvfp4", "16x16", "rne", 0, ""))
+        out[split + "_tiled"] = tuple(torch.ops.fp4.quantize_sharded(shard, "nvfp4", "16x16", "rne", 0, "", group,
+                                                                     layout="swizzled"))
     poisoned = shards["rows"].clone()
     if rank == 1:
         poisoned[0, 0] = float("nan")
@@ -252,6 +254,10 @@ def test_sharded_weight_quantizes_like_the_full_weight(ranks, split):
         assert torch.equal(formats.unpack_e2m1(data), want_codes)
         assert torch.equal(shard_scales, want_scales)
         assert torch.equal(amax, full.amax)
+        # For a CUTLASS GEMM: the same quantization, its scales in the 128x4 tiled layout.
+        tiled = ranks[r]["tp_quantize"][split + "_tiled"]
+        assert torch.equal(tiled[0], data) and torch.equal(tiled[2], amax)
+        assert torch.equal(tiled[1], formats.swizzle_scales(shard_scales))
     # Without the reduction, the rank holding the smaller values picks a different scale.
     local_amaxes = [ranks[r]["tp_quantize"][split + "_local"][2] for r in range(WORLD)]
     assert any(not torch.equal(a, full.amax) for a in local_amaxes)
