@@ -56,8 +56,9 @@ def main() -> int:
         return 2
 
     def emulated(mode, a, amax_a, b, amax_b):
+        gemm = tk.cublaslt_scaled_mm if mode == "cublaslt" else tk.emulated_scaled_mm
         with config.patch(emulated_gemm=mode):
-            return tk.emulated_scaled_mm(a, amax_a, b, amax_b)
+            return gemm(a, amax_a, b, amax_b)
 
     amax_a, amax_b = torch.tensor(3.0e-3, device="cuda"), torch.tensor(7.77e2, device="cuda")
     rows = []

@@ -387,10 +387,10 @@ _all_high_precision.pass_name = "switch_to_high_precision"
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(1)
 def _code_version() -> bytes:
     """A hash of fp4compile's installed code: its modules, passes, code generators and kernel templates."""
     import hashlib
+    import os
     from pathlib import Path
 
     import fp4compile.codegen
@@ -402,7 +402,7 @@ def _code_version() -> bytes:
     files = sorted({f for d in folders for f in d.rglob("*") if f.suffix in (".py", ".j2", ".cu", ".cuh", ".cpp")})
     digest = hashlib.sha256(b"fp4compile")
     for f in files:
-        digest.update(str(f.relative_to(Path(fp4compile.__file__).resolve().parent.parent)).encode())
+        digest.update(os.path.relpath(f, Path(fp4compile.__file__).resolve().parent).encode())
         digest.update(f.read_bytes())
     return digest.digest()
 

@@ -463,9 +463,9 @@ def _shared_weight_layout(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.d
     decode read either), so no separate swizzle runs before it; else row-major. Decided here, while
     the forward and backward are traced, because the kept scales' shape (1-D when tiled) is part of
     both graphs."""
-    m, (n, k) = x2.shape[0], weight.shape
-    if weight.dim() != 2 or not all(isinstance(d, int) for d in (m, n, k)):
+    if weight.dim() != 2 or not all(isinstance(d, int) for d in weight.shape):
         return "row_major"
+    (n, k), m = weight.shape, x2.shape[0]  # a symbolic M is read at its hint, as lower_scaled_mm reads it
     choice = executors.choose_gemm(m, n, k, "nvfp4", dtype, x2.device)
     return scale_layout.SWIZZLED if choice.name.startswith("cutlass:") else "row_major"
 

@@ -1,11 +1,13 @@
-"""decode_for_emulation: emulated NVFP4 GEMMs on CUDA become a BF16 GEMM of decoded operands in the graph.
+"""decode_for_emulation: emulated NVFP4 GEMMs on CUDA become decode + BF16 GEMM nodes in the graph.
 
 Requires: ``lower_scaled_mm`` and ``fuse_rht_quantize``.
 Guarantees: every 2-D ``fp4.scaled_mm`` on a CUDA device with the ``emulation`` kernel and NVFP4 becomes
 ``fp4.emulated_mm(a_bd, a_amax, b_bd, b_amax, fmt, dtype)`` on block-decoded BF16 operands (exact), so
 the decode, the GEMM and its epilogue are separate graph nodes that ``lower_kernels`` puts into the code
-Inductor compiles, rather than one opaque op call. The result has the bits of the ``scaled_mm`` it
-replaces (the same decode, the same GEMM, alpha once in the epilogue).
+Inductor compiles, rather than one opaque op call. The operands, their decode and alpha (once, in the
+epilogue) are those of the ``scaled_mm`` it replaces, and so is the BF16 GEMM with its fp32 output
+(dgrad reads W^T as a view of the decoded weight, whose layout may lead cuBLAS to another kernel and
+summation order).
 Each operand is decoded by ``fp4.decode_blocks`` right before the GEMM (the packed form is what is kept,
 e.g. saved for the backward), except with ``Recipe(decoded_operands=True)`` (what the backend makes of
 the default ``None`` when it compiles with CUDA graphs): an operand that comes straight from a

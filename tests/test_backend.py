@@ -99,6 +99,32 @@ def test_inductor_matches_eager_inner():
     assert (gi - ge).norm() / ge.norm() < 5e-2
 
 
+def test_inductors_cache_key_covers_fp4compiles_code_and_the_users_passes(monkeypatch):
+    """The post-grad pass the backend gives Inductor keys its FX graph cache on fp4compile's code version
+    and on each user pass's uuid; a user pass without one makes the cache bypass the graph (None)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from fp4compile import backend as backend_module
+
+    class UserPass(CustomGraphPass):
+        def __init__(self, key):
+            self.key = key
+
+        def __call__(self, graph):
+            return None
+
+        def uuid(self):
+            return self.key
+
+    key = lambda passes: backend_module._version_pass(passes).uuid()  # noqa: E731
+    base = key(None)
+    assert base and key([]) == base and key(UserPass("a")) not in (None, base)
+    assert key(UserPass("a")) == key([UserPass("a")]) != key([UserPass("a"), UserPass("b")])
+    assert key([UserPass("a"), lambda graph: None]) is None
+    monkeypatch.setattr(backend_module, "_code_version", lambda: b"another version")
+    assert key(None) != base and key(UserPass("a")) != key(None)
+
+
 def test_users_post_grad_passes_still_run_under_inductor():
     """Inductor's post_grad_custom_pre_pass setting, as a user sets it (a list; one pass without a uuid),
     still runs on the forward and backward graphs the backend compiles, and leaves the results alone."""

@@ -285,11 +285,11 @@ def test_a_problem_cublaslt_refuses_falls_back_or_raises(monkeypatch, caplog):
     expect = expected(a.cpu(), b.cpu(), formats.gemm_alpha(amax_a.cpu(), amax_b.cpu()), torch.bfloat16)
     with config.patch(emulated_gemm="auto"), caplog.at_level("WARNING", logger="fp4compile.codegen"):
         for _ in range(2):
-            assert torch.equal(tk.emulated_scaled_mm(a, amax_a, b, amax_b).cpu(), expect)
+            assert torch.equal(tk.cublaslt_scaled_mm(a, amax_a, b, amax_b).cpu(), expect)
     assert len(calls) == 1  # planned once, the refusal kept
     assert sum("refused for the test" in r.getMessage() for r in caplog.records) == 1
     with config.patch(emulated_gemm="cublaslt"):
         with pytest.raises(cl.Unsupported, match="refused for the test"):
-            tk.emulated_scaled_mm(a, amax_a, b, amax_b)
+            tk.cublaslt_scaled_mm(a, amax_a, b, amax_b)
         with pytest.raises(cl.Unsupported, match="bfloat16 operands"):
-            tk.emulated_scaled_mm(a, amax_a, b, amax_b, torch.float16)
+            tk.cublaslt_scaled_mm(a, amax_a, b, amax_b, torch.float16)

@@ -33,6 +33,7 @@ class Stack(torch.nn.Module):
 _SIMULATED = textwrap.dedent("""
     import os, collections, json
     os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["FP4COMPILE_EMULATED_GEMM"] = "torch"  # the traceable GEMM, whether or not cuBLASLt is installed
     import torch
     torch.cuda.is_available = lambda: True
     torch.cuda.get_device_capability = lambda *a: (9, 0)
@@ -194,6 +195,7 @@ def test_gpu_in_graph_kernels_give_the_bits_of_the_ops(fresh_dynamo, monkeypatch
     from fp4compile import config
 
     results = {}
+    monkeypatch.setattr(config, "emulated_gemm", "torch")  # the traceable GEMM, also where cuBLASLt is installed
     for in_graph in (False, True):
         monkeypatch.setattr(config, "in_graph_kernels", in_graph)
         torch._dynamo.reset()

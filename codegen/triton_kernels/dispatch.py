@@ -202,6 +202,9 @@ def check_cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
     ok, why = check_emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype)
     if not ok:
         return ok, why
+    if not cublaslt_gemm.required() and (
+            out_dtype not in (torch.bfloat16, torch.float32) or not a.dtype == b.dtype == torch.bfloat16):
+        return False, f"cuBLASLt takes bfloat16 operands and a bfloat16 or float32 output, not {a.dtype} -> {out_dtype}"
     if not cublaslt_gemm.enabled():
         if cublaslt_gemm.available()[0]:
             return False, "cuBLASLt GEMMs are off (FP4COMPILE_EMULATED_GEMM=torch)"
