@@ -198,3 +198,32 @@ def test_simulated_b200_step_reads_swizzled_scales_and_equals_emulation(monkeypa
     assert not _nodes(backward, fp4.swizzle_scales.default)
     # Every CUTLASS GEMM reads 1-D (tiled) scales.
     assert all(mm.args[i].meta["val"].dim() == 1 for mm in mms for i in (1, 4))
+
+
+def test_sharded_quantizers_of_cutlass_operands_write_the_tiled_layout():
+    """A weight quantized with its amax reduced over a process group (``fp4.quantize_sharded``) and read by a
+    CUTLASS GEMM alone is asked for the tiled layout like ``fp4.quantize``: no separate swizzle node."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fp4compile.passes.lower_scaled_mm import lower_scaled_mm
+    from fp4compile.sites import CompileContext
+
+    import fp4compile.distributed  # noqa: F401  (registers fp4.quantize_sharded)
+
+    kernel = cutlass_runtime.kernel_name(cutlass_gemm.select_config(64, 64, 64, torch.bfloat16)[0], True)
+
+    def f(x, w):
+        xa, xs, xm = torch.ops.fp4.quantize(x, "nvfp4", "1x16", "rne", 1, "")
+        wa, ws, wm = torch.ops.fp4.quantize_sharded(w, "nvfp4", "16x16", "rne", 2, "", "world")
+        return torch.ops.fp4.scaled_mm(xa, xs, xm, wa, ws, wm, "nvfp4", torch.bfloat16, kernel)
+
+    with FakeTensorMode():
+        gm = make_fx(f)(torch.empty(64, 64, dtype=torch.bfloat16), torch.empty(64, 64))
+    gm = lower_scaled_mm(gm, CompileContext(fp4compile.Recipe(), 0))
+    sharded = _nodes(gm.graph, torch.ops.fp4.quantize_sharded.default, layout="swizzled")
+    assert len(sharded) == 1 and len(_nodes(gm.graph, torch.ops.fp4.quantize.default, layout="swizzled")) == 1
+    assert not _nodes(gm.graph, torch.ops.fp4.swizzle_scales.default)
+    (mm,) = _nodes(gm.graph, torch.ops.fp4.scaled_mm.default)
+    assert mm.args[1].meta["val"].dim() == 1 and mm.args[4].meta["val"].dim() == 1
+    assert mm.args[4].meta["val"].numel() == scale_layout.swizzled_numel(64, 4)
