@@ -125,6 +125,7 @@ def test_inductors_cache_key_covers_fp4compiles_code_and_the_users_passes(monkey
     assert key(None) != base and key(UserPass("a")) != key(None)
 
 
+@pytest.mark.slow  # two Inductor compiles of a 4-block GPT
 def test_users_post_grad_passes_still_run_under_inductor():
     """Inductor's post_grad_custom_pre_pass setting, as a user sets it (a list; one pass without a uuid),
     still runs on the forward and backward graphs the backend compiles, and leaves the results alone."""
