@@ -191,6 +191,14 @@ def _cuda_dtype(dtype: torch.dtype) -> int:
     return int({torch.bfloat16: nvmath.CudaDataType.CUDA_R_16BF, torch.float32: nvmath.CudaDataType.CUDA_R_32F}[dtype])
 
 
+def dtype_problem(a_dtype: torch.dtype, b_dtype: torch.dtype, out_dtype: torch.dtype) -> str:
+    """Why :func:`mm_alpha` cannot take operands and an output of these dtypes ("" where it can)."""
+    if out_dtype not in _OUT_DTYPES or not a_dtype == b_dtype == torch.bfloat16:
+        return (f"the cuBLASLt path takes bfloat16 operands and a bfloat16 or float32 output, got "
+                f"{a_dtype} x {b_dtype} -> {out_dtype}")
+    return ""
+
+
 class Unsupported(RuntimeError):
     """cuBLASLt offers no algorithm for a GEMM problem under this module's constraints."""
 

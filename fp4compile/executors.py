@@ -393,6 +393,11 @@ def choose_gemm(m, n, k, fmt: str, out_dtype: torch.dtype, device, allow_emulati
     return choice
 
 
+def is_cutlass_kernel(kernel: str) -> bool:
+    """Whether the kernel string ``kernel`` (``choose_gemm``'s ``choice.name``) names a CUTLASS GEMM."""
+    return kernel.split(":", 1)[0] == "cutlass"
+
+
 def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype):
     """``fp4.scaled_mm`` by the implementation its kernel string names (the part before any ':')."""
     args = (a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)

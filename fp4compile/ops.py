@@ -464,10 +464,10 @@ def _shared_weight_layout(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.d
     the forward and backward are traced, because the kept scales' shape (1-D when tiled) is part of
     both graphs."""
     if weight.dim() != 2 or not all(isinstance(d, int) for d in weight.shape):
-        return "row_major"
+        return scale_layout.ROW_MAJOR
     (n, k), m = weight.shape, x2.shape[0]  # a symbolic M is read at its hint, as lower_scaled_mm reads it
     choice = executors.choose_gemm(m, n, k, "nvfp4", dtype, x2.device)
-    return scale_layout.SWIZZLED if choice.name.startswith("cutlass:") else "row_major"
+    return scale_layout.SWIZZLED if executors.is_cutlass_kernel(choice.name) else scale_layout.ROW_MAJOR
 
 
 class _LinearFunction(torch.autograd.Function):

@@ -44,7 +44,7 @@ log = logging.getLogger("fp4compile")
 
 
 def _is_cutlass(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is SCALED_MM and node.args[8].startswith("cutlass:")
+    return node.op == "call_function" and node.target is SCALED_MM and executors.is_cutlass_kernel(node.args[8])
 
 
 def _read_as_cutlass_scales(scales: fx.Node) -> bool:

@@ -411,7 +411,11 @@ def emulated_scaled_mm(
     _require_triton()
     if a_bd.dim() != 2 or b_bd.dim() != 2 or a_bd.shape[1] != b_bd.shape[1]:
         raise ValueError(f"emulated_scaled_mm needs A [M, K] and B [N, K], got {tuple(a_bd.shape)} and {tuple(b_bd.shape)}")
-    alpha = gemm_alpha(amax_a.to(a_bd.device), amax_b)
+    return _mm_then_epilogue(a_bd, b_bd, gemm_alpha(amax_a.to(a_bd.device), amax_b), out_dtype)
+
+
+def _mm_then_epilogue(a_bd: torch.Tensor, b_bd: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype):
+    """``cast(alpha * (A @ B^T))``: the GEMM with an fp32 output, then ``_epilogue_kernel``."""
     if a_bd.is_cuda:
         acc = torch.mm(a_bd, b_bd.t(), out_dtype=torch.float32)
     else:
@@ -435,15 +439,14 @@ def cublaslt_scaled_mm(
     logged once, unless ``FP4COMPILE_EMULATED_GEMM=cublaslt`` makes that an error."""
     from .. import cublaslt_gemm
 
+    alpha = gemm_alpha(amax_a.to(a_bd.device), amax_b)
     try:
-        if out_dtype not in (torch.bfloat16, torch.float32) or not a_bd.dtype == b_bd.dtype == torch.bfloat16:
-            raise cublaslt_gemm.Unsupported(
-                f"the cuBLASLt path takes bfloat16 operands and a bfloat16 or float32 output, got "
-                f"{a_bd.dtype} x {b_bd.dtype} -> {out_dtype}"
-            )
-        return cublaslt_gemm.mm_alpha(a_bd, b_bd, gemm_alpha(amax_a.to(a_bd.device), amax_b), out_dtype)
+        problem = cublaslt_gemm.dtype_problem(a_bd.dtype, b_bd.dtype, out_dtype)
+        if problem:
+            raise cublaslt_gemm.Unsupported(problem)
+        return cublaslt_gemm.mm_alpha(a_bd, b_bd, alpha, out_dtype)
     except cublaslt_gemm.Unsupported as err:
         if cublaslt_gemm.required():
             raise
         cublaslt_gemm.log_fallback(err)
-    return emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b, out_dtype)
+    return _mm_then_epilogue(a_bd, b_bd, alpha, out_dtype)

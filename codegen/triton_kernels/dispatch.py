@@ -202,13 +202,12 @@ def check_cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
     ok, why = check_emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype)
     if not ok:
         return ok, why
-    if not cublaslt_gemm.required() and (
-            out_dtype not in (torch.bfloat16, torch.float32) or not a.dtype == b.dtype == torch.bfloat16):
-        return False, f"cuBLASLt takes bfloat16 operands and a bfloat16 or float32 output, not {a.dtype} -> {out_dtype}"
+    problem = cublaslt_gemm.dtype_problem(a.dtype, b.dtype, out_dtype)
+    if problem and not cublaslt_gemm.required():  # required: the call raises it
+        return False, problem
     if not cublaslt_gemm.enabled():
-        if cublaslt_gemm.available()[0]:
-            return False, "cuBLASLt GEMMs are off (FP4COMPILE_EMULATED_GEMM=torch)"
-        return False, "cuBLASLt GEMMs cannot run here: " + cublaslt_gemm.available()[1]
+        ok, why = cublaslt_gemm.available()
+        return False, "cuBLASLt GEMMs are off (FP4COMPILE_EMULATED_GEMM=torch)" if ok else f"cuBLASLt GEMMs cannot run here: {why}"
     return True, ""
 
 
