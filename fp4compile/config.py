@@ -30,6 +30,11 @@ in_graph_kernels: bool = True
 """Under Inductor on CUDA, the fp4 ops' Triton kernels go into Inductor's generated code (the
 ``lower_kernels`` pass); off: each op runs as one opaque call that launches its kernels itself."""
 
+kernel_analysis_cache: bool = True
+"""Inductor's analysis of which buffers one of fp4compile's Triton kernels writes (a TTIR compile of the
+kernel) is done once per kernel and argument types and constants, and reused at every launch site; off:
+at every site, as Inductor does for other kernels."""
+
 cache_dir: Optional[str] = None
 """Where built CUTLASS kernels are cached; None: ``~/.cache/fp4compile``."""
 
@@ -89,6 +94,7 @@ SETTINGS: dict[str, Setting] = {
     "print_ir_after": Setting("FP4COMPILE_PRINT_IR_AFTER", _Text()),
     "emulated_gemm": Setting("FP4COMPILE_EMULATED_GEMM", _Choice(("auto", "cublaslt", "torch"), "auto, cublaslt or torch")),
     "in_graph_kernels": Setting("FP4COMPILE_IN_GRAPH_KERNELS", _Flag()),
+    "kernel_analysis_cache": Setting("FP4COMPILE_KERNEL_ANALYSIS_CACHE", _Flag()),
     "cache_dir": Setting("FP4COMPILE_CACHE_DIR", _Text()),
     "nvcc": Setting("FP4COMPILE_NVCC", _Text()),
 }

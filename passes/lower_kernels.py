@@ -21,15 +21,26 @@ do not take the shape; the reason says which declined and why); the inner compil
 in-graph kernels are off; the op checks its output for non-finite values (``check`` label: a read back
 to the host); a size is symbolic. ``ctx.kernels`` records each node's implementation ("in-graph
 triton" where its kernels are in Inductor's code) and the reason; the report shows them.
+
+Inductor works out which buffers a Triton kernel in its graph writes by compiling the kernel to TTIR and
+walking it, at every launch site and several times per site (functionalization, its graph lowering, its
+IR node): tens to hundreds of milliseconds each, which for a model's hundreds of fp4 kernel launches made
+most of the first step's compile. The answer depends only on the kernel and its arguments' types and
+constants, so for fp4compile's own kernels it is worked out once per (kernel, argument types and
+constants) and reused (``reuse_kernel_analysis``; ``config.kernel_analysis_cache`` off: every site is
+analysed, as Inductor does for other kernels, which stay untouched).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import operator
 
 import torch
 import torch.fx as fx
+from typing import Optional
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fp4compile import config, executors, runtime
@@ -50,6 +61,70 @@ SR_BASE = torch.ops.fp4.sr_base.default
 _CHECK_ARGS = ("check", "check_t")
 _STREAM_ARGS = (("rounding", "seed"), ("rounding_t", "seed_t"))  # each rounding argument and its seed
 _ROUNDING_ARGS = tuple(rounding for rounding, _ in _STREAM_ARGS)
+
+
+def _analysis_key(kernel, kwargs: dict, tma_descriptor_metadata) -> Optional[tuple]:
+    """What Inductor's analysis of a kernel launch depends on, for one of fp4compile's kernels: the
+    kernel, its source, its launch configuration's arguments, each argument's kind (a tensor's dtype: tensors become two-element tensors of
+    their dtype for the analysis; a symbolic size becomes one value; constants as given). None where the
+    launch is not one of ours or has an argument this cannot key (it is then analysed as usual)."""
+    import sympy
+
+    jit = getattr(kernel, "fn", None) if not hasattr(kernel, "src") else kernel  # an Autotuner wraps its JITFunction
+    if tma_descriptor_metadata or jit is None or not str(getattr(jit, "module", "")).startswith("fp4compile"):
+        return None
+    items = []
+    for name, value in sorted(kwargs.items()):
+        if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
+            items.append((name, "symbolic"))
+        elif isinstance(value, (bool, int, float, str, type(None), torch.dtype)):
+            items.append((name, type(value).__name__, value))
+        else:
+            dtype = getattr(value, "dtype", None)
+            if dtype is None and hasattr(value, "get_dtype"):  # Inductor's TensorBox
+                dtype = value.get_dtype()
+            if not isinstance(dtype, torch.dtype):
+                return None
+            items.append((name, "tensor", dtype))
+    # A launch traced with launch options comes as a one-config Autotuner made for it: what the analysis
+    # reads of it is its first config's arguments (added to the launch's).
+    configs = getattr(kernel, "configs", None) or ()
+    extra = tuple(sorted(configs[0].kwargs.items())) if configs else ()
+    return jit, jit.src, extra, tuple(items)
+
+
+def reuse_kernel_analysis() -> None:
+    """Make Inductor's analysis of which arguments a Triton kernel reads and writes run once per
+    ``_analysis_key`` for fp4compile's kernels (idempotent; each caller gets its own copy of the answer).
+    The analysis is ``identify_accessed_tensors`` (PyTorch 2.12 on) or ``identify_mutated_tensors``
+    (2.11) in ``torch._higher_order_ops.triton_kernel_wrap``; every caller looks it up there when it
+    runs."""
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+    name = "identify_accessed_tensors" if hasattr(wrap, "identify_accessed_tensors") else "identify_mutated_tensors"
+    analyse = getattr(wrap, name)
+    if getattr(analyse, "_fp4compile_reuse", False):
+        return
+    answers: dict = {}
+
+    @functools.wraps(analyse)
+    def reused(kernel, kwargs, tma_descriptor_metadata, *args, **kw):
+        key = None
+        if config.kernel_analysis_cache and not args and not kw:
+            try:
+                key = _analysis_key(kernel, kwargs, tma_descriptor_metadata)
+                hash(key)
+            except TypeError:  # an unhashable constant
+                key = None
+        if key is None:
+            return analyse(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
+        if key not in answers:
+            answers[key] = analyse(kernel, kwargs, tma_descriptor_metadata)
+        return copy.deepcopy(answers[key])
+
+    reused._fp4compile_reuse = True
+    reused.answers = answers
+    setattr(wrap, name, reused)
 
 
 def _bound(node: fx.Node) -> dict:
@@ -222,6 +297,8 @@ def _key_streams(node: fx.Node, args: dict, keys: _StreamKeys) -> None:
 
 def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inductor = getattr(ctx, "inner", None) == "inductor"
+    if inductor:
+        reuse_kernel_analysis()
     keys = _StreamKeys(gm)
     changed = False
     stage = ctx.stage

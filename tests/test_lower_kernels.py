@@ -95,8 +95,22 @@ _SIMULATED = textwrap.dedent("""
         scalars.append([getattr(kernel.fn, "__name__", "?"), sorted(
             (k, v) for k, v in {**kw, **kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])}.items()
             if not isinstance(v, torch.fx.Node))])
+    # The analysis Inductor runs at every launch, as lower_kernels leaves it (answers reused per kernel and
+    # argument types and constants), against a fresh analysis of each launch.
+    import torch._higher_order_ops.triton_kernel_wrap as wrap
+    analyse = getattr(wrap, "identify_accessed_tensors", None) or wrap.identify_mutated_tensors
+    def names(answer):
+        rw = getattr(answer, "read_writes", None)
+        return sorted(d.name for d in rw.writes) + ["|"] + sorted(d.name for d in rw.reads) if rw else sorted(answer)
+    launches = [(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]),
+                 {**{k: (v.meta["val"] if isinstance(v, torch.fx.Node) else v) for k, v in n.kwargs["kwargs"].items()},
+                  **kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])})
+                for n in new_nodes if str(n.target) == "triton_kernel_wrapper_functional"]
+    reused = [names(analyse(k, kw, {})) for k, kw in launches]
+    fresh = [names(analyse.__wrapped__(k, kw, {})) for k, kw in launches]
     print(json.dumps({"before": before, "after": after, "choices": ctx.kernels, "unlowered": unlowered,
-                      "writes": writes, "scalars": scalars}))
+                      "writes": writes, "scalars": scalars, "reused_equal_fresh": reused == fresh,
+                      "launches": len(launches), "analyses": len(analyse.answers)}))
 """)
 
 
@@ -139,6 +153,10 @@ def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():
     # Likewise both streams of the dual quantizer (each its own device base).
     dual = [s for s in result["scalars"] if s[0] == "_dual_quantize_kernel"]
     assert len(dual) == 2 and dual[0] == dual[1]
+    # Inductor's analysis of what each kernel reads and writes ran once per kernel and argument types and
+    # constants (the equal launches above share it) and gives each launch what a fresh analysis gives.
+    assert result["reused_equal_fresh"]
+    assert result["launches"] == 15 and result["analyses"] == 12
 
 
 def test_sr_base_mixes_the_step_base_with_each_node_constant():
