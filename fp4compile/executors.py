@@ -4,7 +4,7 @@ An implementation has a name, a check ``(op's arguments) -> (ok, reason)`` and a
 arguments. ``choose(op, *args)`` asks the checks in order and returns the first implementation that
 takes the call, with the reasons of those before it that declined; ``run(op, *args)`` calls it. The fp4
 ops (``fp4compile.ops``) run through ``run``; the ``lower_kernels`` pass asks ``choose`` with a graph's
-fake values and records the answer in the report (``Report.quantizer_kernels``), and ``lower_scaled_mm``
+fake values and records the answer in the report (``Report.quantizer_kernels``), and ``lower_gemms``
 asks ``choose_gemm`` for each FP4 GEMM (``Report.kernels``). Checks therefore read only what a fake
 tensor has too (device, dtype, shape) and the op's constant arguments.
 

@@ -465,7 +465,7 @@ def _shared_weight_layout(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.d
     both graphs."""
     if weight.dim() != 2 or not all(isinstance(d, int) for d in weight.shape):
         return scale_layout.ROW_MAJOR
-    (n, k), m = weight.shape, x2.shape[0]  # a symbolic M is read at its hint, as lower_scaled_mm reads it
+    (n, k), m = weight.shape, x2.shape[0]  # a symbolic M is read at its hint, as lower_gemms reads it
     choice = executors.choose_gemm(m, n, k, "nvfp4", dtype, x2.device)
     return scale_layout.SWIZZLED if executors.is_cutlass_kernel(choice.name) else scale_layout.ROW_MAJOR
 
@@ -508,7 +508,7 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             # The forward's quantization of W as it is: insert_quantize transposes it for dgrad in the
-            # backward graph, where decode_for_emulation can read it decoded and transposed instead (done
+            # backward graph, where lower_gemms can read it decoded and transposed instead (done
             # here, the partitioner would move the transpose into the forward and save its result).
             dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype, *wq)
             dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)

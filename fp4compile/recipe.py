@@ -44,7 +44,7 @@ class Recipe:
         ``probs @ v`` with ``matmul``/``mm``/``bmm``, 2-D to 4-D) as FP4 GEMM sites, both operands in
         1x16 blocks. Fused ``scaled_dot_product_attention`` stays in high precision.
     decoded_operands: for emulated NVFP4 GEMMs on CUDA (no effect elsewhere): each operand's quantizer
-        writes it decoded to BF16 for the GEMM (pass ``decode_for_emulation``) instead of packed codes
+        writes it decoded to BF16 for the GEMM (pass ``lower_gemms``) instead of packed codes
         that are decoded right before it. Same bits and one pass over memory less per operand, but
         decoded operands are 3.6x the size of packed ones while they wait for their GEMM. None (the
         default): on where Inductor records the steps in CUDA graphs (the backend's

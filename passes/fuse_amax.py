@@ -1,6 +1,6 @@
 """fuse_amax: NVFP4 quantizers take their global amax from the operand's producer or a shared pass.
 
-Requires: ``fuse_rht_quantize`` (and runs after ``decode_for_emulation``, on its final nodes).
+Requires: ``lower_gemms`` (it runs on the final quantize nodes).
 Guarantees: on CUDA graphs (elsewhere the pass changes nothing), NVFP4 quantize nodes
 (``fp4.quantize`` / ``fp4.fake_quantize`` with 1x16 blocks, ``fp4.rht_quantize`` /
 ``fp4.fake_rht_quantize``) get their ``amax`` argument from an earlier node, so their kernel makes one
@@ -8,7 +8,7 @@ pass over the operand instead of two (an amax pass, then the quantizing pass):
 
 - a tensor quantized both along K (dgrad's dY) and, transposed with the RHT, along tokens (wgrad's
   dY^T) gets both amaxes from one ``fp4.wgrad_amax`` node, one read of the tensor for the two; where
-  both quantizations are decoded for the emulation (``decode_for_emulation``), they become one
+  both quantizations are written decoded for the emulation (``lower_gemms``), they become one
   ``fp4.fake_dual_quantize`` node, one more read for the two, and the GEMMs take the amaxes from
   ``fp4.wgrad_amax`` (its metadata: ``fp4_quantize`` for dY, ``fp4_quantize_rht`` for dY^T);
 - any other 1x16 operand whose producer Inductor compiles into a kernel of its own making (a layer
@@ -37,8 +37,8 @@ import torch.fx as fx
 
 from fp4compile.sites import CompileContext, call_unpacked, example_tensor
 
-from .decode_for_emulation import FAKE_QUANTIZE, FAKE_RHT_QUANTIZE
 from .fuse_rht_quantize import RHT_QUANTIZE
+from .lower_gemms import FAKE_QUANTIZE, FAKE_RHT_QUANTIZE
 from .insert_quantize import QUANTIZE
 
 aten = torch.ops.aten

@@ -1,6 +1,7 @@
 """fuse_rht_quantize: quantize(rht(x)) becomes one fp4.rht_quantize(x) for the weight-gradient operands.
 
-Requires: ``insert_rht`` and ``insert_quantize`` (runs after ``lower_scaled_mm``).
+Requires: ``insert_rht`` and ``insert_quantize`` (runs before ``lower_gemms``, which then asks the fused
+quantizer for the tiled scale layout where a CUTLASS GEMM reads it).
 Guarantees: every ``fp4.quantize`` whose input is an ``fp4.rht`` node used by nothing else is replaced
 by ``fp4.rht_quantize(x, size, fmt, block, rounding, seed, check)`` with the same seed and check label,
 so the bits are those of the CPU reference of the two ops (and the same scale ``layout``); the ``fp4.rht``

@@ -6,9 +6,8 @@ aot_autograd traces from the marked graph (they see the three role-tagged GEMMs 
 
     find_gemm_sites -> find_blocks -> assign_precision -> keep_routers_high -> [user passes] -> check_plan
     -> mark_fp4_linear
-    ──aot_autograd──▶ plan_gemm_roles -> insert_rht -> insert_quantize -> lower_scaled_mm
-                      -> fuse_rht_quantize -> decode_for_emulation -> fuse_amax -> record_ranges
-                      -> lower_kernels
+    ──aot_autograd──▶ plan_gemm_roles -> insert_rht -> insert_quantize -> fuse_rht_quantize
+                      -> lower_gemms -> fuse_amax -> record_ranges -> lower_kernels
 
 Every pass is ``fn(gm, ctx) -> gm`` in its own module, with a docstring saying what it requires and
 guarantees. ``print_pipeline()`` prints this list; ``fp4compile.config.print_ir_after`` (``FP4COMPILE_PRINT_IR_AFTER``:
@@ -27,7 +26,6 @@ from fp4compile.sites import CompileContext
 
 from .assign_precision import assign_precision
 from .check_plan import check_plan
-from .decode_for_emulation import decode_for_emulation
 from .find_blocks import find_blocks
 from .find_gemm_sites import find_gemm_sites
 from .fuse_amax import fuse_amax
@@ -35,8 +33,8 @@ from .fuse_rht_quantize import fuse_rht_quantize
 from .insert_quantize import insert_quantize
 from .insert_rht import insert_rht
 from .keep_routers_high import keep_routers_high
+from .lower_gemms import lower_gemms
 from .lower_kernels import lower_kernels
-from .lower_scaled_mm import lower_scaled_mm
 from .mark_fp4_linear import mark_fp4_linear
 from .plan_gemm_roles import plan_gemm_roles
 from .record_ranges import record_ranges
@@ -49,8 +47,8 @@ DYNAMO_PASSES: list[Pass] = [
 # User precision passes are inserted at this index of DYNAMO_PASSES (after keep_routers_high).
 USER_PASS_INDEX = DYNAMO_PASSES.index(keep_routers_high) + 1
 AOT_PASSES: list[Pass] = [
-    plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize, decode_for_emulation, fuse_amax,
-    record_ranges, lower_kernels,
+    plan_gemm_roles, insert_rht, insert_quantize, fuse_rht_quantize, lower_gemms, fuse_amax, record_ranges,
+    lower_kernels,
 ]
 
 

@@ -1,6 +1,6 @@
 """record_ranges: the forward graph records each FP4 layer's activation amax into its history.
 
-Requires: ``insert_quantize`` (and runs last, on the final quantize nodes: ``decode_for_emulation``
+Requires: ``insert_quantize`` (and runs last, on the final quantize nodes: ``lower_gemms``
 and ``fuse_amax`` keep the metadata of the nodes they replace).
 Guarantees: in the forward graph, every quantize node of a fprop X operand that ``insert_quantize``
 gave an amax history (metadata ``fp4_amax_history``, the history's graph input) is followed by

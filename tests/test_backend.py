@@ -328,10 +328,10 @@ def test_each_recipe_flag_off(flags, checks):
     backend = Backend(inner="eager", **flags)
     _, loss = _train_step(model, backend, torch.randint(0, 64, (2, 32)))
     assert torch.isfinite(loss)
-    fw = _graph_after(backend, "forward", "lower_scaled_mm")
-    bw = _graph_after(backend, "backward", "lower_scaled_mm")
+    fw = _graph_after(backend, "forward", "lower_gemms")
+    bw = _graph_after(backend, "backward", "lower_gemms")
     counts = {
-        "rht_nodes": bw.count("fp4.rht.default("),
+        "rht_nodes": bw.count("fp4.rht_quantize.default("),
         "sr_nodes": bw.count("'sr'"),
         "tiles_16x16": (fw + bw).count("'16x16'"),
         "backward_scaled_mm": bw.count("fp4.scaled_mm.default("),
@@ -345,10 +345,10 @@ def test_default_recipe_node_counts():
     model = _gpt(n_layer=4)
     backend = Backend(inner="eager")
     _train_step(model, backend, torch.randint(0, 64, (2, 32)))
-    fw = _graph_after(backend, "forward", "lower_scaled_mm")
-    bw = _graph_after(backend, "backward", "lower_scaled_mm")
+    fw = _graph_after(backend, "forward", "lower_gemms")
+    bw = _graph_after(backend, "backward", "lower_gemms")
     assert fw.count("fp4.scaled_mm.default(") == 8 and bw.count("fp4.scaled_mm.default(") == 16
-    assert fw.count("fp4.rht.default(") == 0 and bw.count("fp4.rht.default(") == 16
+    assert fw.count("fp4.rht_quantize.default(") == 0 and bw.count("fp4.rht_quantize.default(") == 16
     assert fw.count("'sr'") == 0 and bw.count("'sr'") == 16  # dY in dgrad and wgrad of 8 linears
     assert "fp4.gemm.default(" not in fw and "fp4.gemm.default(" not in bw
 
@@ -374,7 +374,7 @@ def test_autocast_bf16_keeps_high_precision_gemms_in_bf16():
         loss = lm_loss(logits.float(), idx)
     loss.backward()
     assert logits.dtype == torch.bfloat16
-    fw = _graph_after(backend, "forward", "lower_scaled_mm")
+    fw = _graph_after(backend, "forward", "lower_gemms")
     assert "torch.bfloat16, 'emulation')" in fw  # FP4 GEMMs write the autocast dtype
     assert model.blocks[1].mlp.fc.weight.grad.dtype == torch.float32
 

@@ -104,7 +104,7 @@ def test_gpu_sr_on_the_reference_path_refuses_cuda_graph_recording(monkeypatch):
 
 def test_gpu_decoded_operands_give_the_bits_of_packed_ones(fresh_dynamo):
     """With Recipe(decoded_operands=True) the emulated GEMMs on CUDA read operands decoded by their
-    quantizers (``decode_for_emulation``); by default they decode packed codes first. Same bits."""
+    quantizers (``lower_gemms``); by default they decode packed codes first. Same bits."""
     torch.manual_seed(0)
     model = Proj()
     x = torch.randn(4, 512, 256, device="cuda")
@@ -121,7 +121,7 @@ def test_gpu_decoded_operands_give_the_bits_of_packed_ones(fresh_dynamo):
         y = torch.compile(m, backend=backend)(xd)
         (y * g).sum().backward()
         results[decoded] = (y.detach(), xd.grad, m.blocks[0].weight.grad)
-        final = [gr.code for gr in backend.report.graphs if gr.pass_name == "decode_for_emulation"]
+        final = [gr.code for gr in backend.report.graphs if gr.pass_name == "lower_gemms"]
         # Either way the GEMMs are fp4.emulated_mm; packed operands are decoded by fp4.decode_blocks.
         assert len(final) == 2 and all("fp4.emulated_mm" in code and "fp4.scaled_mm" not in code for code in final)
         # Decoded: X's quantizer writes it decoded (fp4.fake_quantize); packed: no quantizer does.

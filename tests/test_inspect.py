@@ -154,8 +154,8 @@ def test_final_graphs_hold_the_reported_gemms(explained):
 
 def test_rht_only_on_weight_gradient_operands(explained):
     report = explained.report
-    lowered = report.graph("backward", "lower_scaled_mm")
-    assert lowered.count("torch.ops.fp4.rht.default(") == 8
+    quantized = report.graph("backward", "insert_quantize")
+    assert quantized.count("torch.ops.fp4.rht.default(") == 8
     backward = report.fx_graph("backward")  # after fuse_rht_quantize: each RHT inside its quantize
     assert not _nodes(backward, RHT)
     fused = _nodes(backward, RHT_QUANTIZE)
@@ -194,9 +194,8 @@ def test_stochastic_rounding_only_on_gradient_operands(explained):
 
 def test_graph_after_each_pass_and_diff(explained):
     report = explained.report
-    assert report.pass_names("backward") == ["input", "plan_gemm_roles", "insert_rht", "insert_quantize", "lower_scaled_mm",
-                                             "fuse_rht_quantize", "decode_for_emulation", "fuse_amax", "record_ranges",
-                                             "lower_kernels"]
+    assert report.pass_names("backward") == ["input", "plan_gemm_roles", "insert_rht", "insert_quantize", "fuse_rht_quantize",
+                                             "lower_gemms", "fuse_amax", "record_ranges", "lower_kernels"]
     assert "fp4.rht" not in report.graph("backward", "plan_gemm_roles")
     assert report.graph("backward", "insert_rht").count("torch.ops.fp4.rht.default(") == 8
     diff = report.diff("backward", "insert_rht")
@@ -265,7 +264,7 @@ def test_print_ir_after_a_pass_while_compiling(capsys):
     with config.patch(print_ir_after="all"), torch.no_grad():
         torch.compile(model, backend=Backend(inner="eager"))(x)
     out = capsys.readouterr().out
-    for name in ("find_gemm_sites", "mark_fp4_linear", "plan_gemm_roles", "lower_scaled_mm"):
+    for name in ("find_gemm_sites", "mark_fp4_linear", "plan_gemm_roles", "lower_gemms"):
         assert f"after {name} ----" in out
     assert "fp4.scaled_mm.default(" in out
 

@@ -13,18 +13,17 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from functorch.compile import make_boxed_func
 
 from fp4compile import Recipe, ops
-from fp4compile.passes import decode_for_emulation as decode_module
 from fp4compile.passes import fuse_amax as amax_module
+from fp4compile.passes import lower_gemms as gemms_module
 from fp4compile.passes import mark_fp4_linear as mark_module
 from fp4compile.passes.assign_precision import assign_precision
-from fp4compile.passes.decode_for_emulation import decode_for_emulation
 from fp4compile.passes.find_blocks import find_blocks
 from fp4compile.passes.find_gemm_sites import find_gemm_sites
 from fp4compile.passes.fuse_amax import fuse_amax
 from fp4compile.passes.fuse_rht_quantize import fuse_rht_quantize
 from fp4compile.passes.insert_quantize import insert_quantize
 from fp4compile.passes.insert_rht import insert_rht
-from fp4compile.passes.lower_scaled_mm import lower_scaled_mm
+from fp4compile.passes.lower_gemms import lower_gemms
 from fp4compile.passes.mark_fp4_linear import mark_fp4_linear
 from fp4compile.passes.plan_gemm_roles import plan_gemm_roles
 from fp4compile.sites import CompileContext, clone_dynamo_module
@@ -233,9 +232,10 @@ def test_insert_quantize_blocks_and_rounding(marked):
             assert all(a.target is F4.dequantize.default for a in g.args[:2])
 
 
-def test_lower_scaled_mm_replaces_every_quantized_gemm(marked):
+def test_lower_gemms_replaces_every_quantized_gemm(marked):
+    """On the CPU every FP4 GEMM takes the packed emulated form, fp4.scaled_mm on the quantizers' outputs."""
     gm, example, ctx = marked
-    graphs = aot_graphs(gm, example, ctx, [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm])
+    graphs = aot_graphs(gm, example, ctx, [plan_gemm_roles, insert_rht, insert_quantize, lower_gemms])
     assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 4
     assert len(role_nodes(graphs["backward"], F4.scaled_mm.default)) == 8
     for graph in graphs.values():
@@ -262,11 +262,11 @@ def test_fuse_rht_quantize_fuses_both_wgrad_operands(dynamo_graph, fmt, block):
     ctx = CompileContext(Recipe(fmt=fmt), 0)
     for p in (find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear):
         p(gm, ctx)
-    unfused = aot_graphs(gm, example, ctx, [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm])
+    unfused = aot_graphs(gm, example, ctx, [plan_gemm_roles, insert_rht, insert_quantize, lower_gemms])
     seeds = {(n.meta["fp4_quantize"]["site"], n.meta["fp4_quantize"]["operand"]): n.args[4]
              for n in role_nodes(unfused["backward"], F4.quantize.default) if n.args[0].target is F4.rht.default}
     assert len(seeds) == 8
-    passes = [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize]
+    passes = [plan_gemm_roles, insert_rht, insert_quantize, fuse_rht_quantize, lower_gemms]
     graphs = aot_graphs(gm, example, ctx, passes)
     assert role_nodes(graphs["forward"], F4.rht_quantize.default) == []
     backward = graphs["backward"]
@@ -290,7 +290,7 @@ def test_quantize_dequantize_stage_is_numerically_close_to_lowered(marked):
     results = {}
     for name, passes in {
         "qdq": [plan_gemm_roles, insert_rht, insert_quantize],
-        "lowered": [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm],
+        "lowered": [plan_gemm_roles, insert_rht, insert_quantize, fuse_rht_quantize, lower_gemms],
     }.items():
         graphs = aot_graphs(gm, example, ctx, passes)
         results[name] = graphs["forward"](*[t.detach() for t in example])[0]
@@ -318,22 +318,22 @@ def _run_with_grads(gm, example, ctx, passes):
     return out, y.detach(), [t.grad for t in inputs if t.requires_grad]
 
 
-LOWERED = [plan_gemm_roles, insert_rht, insert_quantize, lower_scaled_mm, fuse_rht_quantize]
+LOWERED = [plan_gemm_roles, insert_rht, insert_quantize, fuse_rht_quantize, lower_gemms]
 
 
 @pytest.mark.parametrize("decoded", [True, False])
-def test_decode_for_emulation_needs_cuda(marked, monkeypatch, decoded):
+def test_lower_gemms_keeps_emulated_gemms_packed_off_cuda(marked, monkeypatch, decoded):
     gm, example, ctx = marked
     ctx.recipe = ctx.recipe.replace(decoded_operands=decoded)
-    monkeypatch.setattr(decode_module, "applies", lambda mm: False)
-    graphs = aot_graphs(gm, example, ctx, LOWERED + [decode_for_emulation])
+    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: False)
+    graphs = aot_graphs(gm, example, ctx, LOWERED)
     assert len(role_nodes(graphs["forward"], F4.scaled_mm.default)) == 4
     assert len(role_nodes(graphs["backward"], F4.scaled_mm.default)) == 8
     for graph in graphs.values():
         assert role_nodes(graph, F4.emulated_mm.default) == []
 
 
-def test_decode_for_emulation_with_packed_operands_decodes_before_each_gemm(marked, monkeypatch):
+def test_lower_gemms_with_packed_operands_decodes_before_each_gemm(marked, monkeypatch):
     """Recipe(decoded_operands=False) on CUDA (forced here on the CPU): every emulated NVFP4 GEMM becomes
     fp4.emulated_mm on fp4.decode_blocks of the packed operands, which the quantizers still write (and
     the backward still keeps); dgrad reads W decoded as stored, transposed. The same bits."""
@@ -343,9 +343,9 @@ def test_decode_for_emulation_with_packed_operands_decodes_before_each_gemm(mark
     ctx.recipe = ctx.recipe.replace(decoded_operands=False)
     fp4compile.manual_seed(3)
     plain, y_ref, grads_ref = _run_with_grads(gm, example, ctx, LOWERED)
-    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: True)
     fp4compile.manual_seed(3)
-    graphs, y, grads = _run_with_grads(gm, example, ctx, LOWERED + [decode_for_emulation])
+    graphs, y, grads = _run_with_grads(gm, example, ctx, LOWERED)
     quantizers = (F4.quantize.default, F4.rht_quantize.default)
     for stage, graph in graphs.items():
         assert role_nodes(graph, F4.scaled_mm.default) == []
@@ -369,7 +369,7 @@ def test_decode_for_emulation_with_packed_operands_decodes_before_each_gemm(mark
         assert torch.equal(g, g_ref)
 
 
-def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked_unshared, monkeypatch):
+def test_lower_gemms_decoded_by_quantizers_gives_the_same_bits(marked_unshared, monkeypatch):
     """Where it applies (CUDA; forced here on the CPU), every emulated NVFP4 GEMM reads operands decoded by
     their quantizer: node counts, arguments and metadata carried over, and the same output and gradient bits."""
     gm, example, ctx = marked_unshared
@@ -381,10 +381,10 @@ def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked_
     quantize_args = {(n.meta["fp4_quantize"]["site"], n.meta["fp4_quantize"]["operand"], n.meta["fp4_quantize"]["role"]): n.args
                      for g in plain.values() for n in g.graph.nodes
                      if n.target in (F4.quantize.default, F4.rht_quantize.default)}
-    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: True)
     ctx.recipe = ctx.recipe.replace(decoded_operands=True)
     fp4compile.manual_seed(3)
-    graphs, y, grads = _run_with_grads(gm, example, ctx, LOWERED + [decode_for_emulation])
+    graphs, y, grads = _run_with_grads(gm, example, ctx, LOWERED)
     forward, backward = graphs["forward"], graphs["backward"]
     for graph in (forward, backward):
         for target in (F4.scaled_mm.default, F4.quantize.default, F4.rht_quantize.default, F4.dequantize.default):
@@ -412,21 +412,22 @@ def test_decode_for_emulation_rewrites_emulated_gemms_with_the_same_bits(marked_
         assert torch.equal(g, g_ref)
 
 
-def test_decode_for_emulation_decodes_an_operand_read_elsewhere(marked_unshared, monkeypatch):
+def test_lower_gemms_decodes_an_operand_read_elsewhere(marked_unshared, monkeypatch):
     """A quantized operand that something else also reads keeps its packed form; its GEMM reads it
     through fp4.decode_blocks, the other operand decoded by its quantizer."""
     gm, example, ctx = marked_unshared
     ctx.recipe = ctx.recipe.replace(decoded_operands=True)
-    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: True)
 
     def share_one_amax(graph, ctx):  # a second reader of one fprop operand's amax
-        mm = role_nodes(graph, F4.scaled_mm.default)[0]
-        with graph.graph.inserting_after(mm):
-            extra = graph.graph.call_function(torch.ops.aten.add.Tensor, (mm.args[2], 1.0))
-        extra.meta["val"] = mm.args[2].meta["val"]
+        gemm = [n for n in role_nodes(graph, F4.gemm.default) if n.args[0].target is F4.dequantize.default][0]
+        amax = gemm.args[0].args[2]
+        with graph.graph.inserting_after(gemm):
+            extra = graph.graph.call_function(torch.ops.aten.add.Tensor, (amax, 1.0))
+        extra.meta["val"] = amax.meta["val"]
         return graph
 
-    graphs = aot_graphs(gm, example, ctx, LOWERED + [share_one_amax, decode_for_emulation])
+    graphs = aot_graphs(gm, example, ctx, LOWERED[:-1] + [share_one_amax, lower_gemms])
     forward = graphs["forward"]
     assert role_nodes(forward, F4.scaled_mm.default) == []
     assert len(role_nodes(forward, F4.emulated_mm.default)) == 4
@@ -452,8 +453,8 @@ def test_fuse_amax_gives_quantizers_their_amax_with_the_same_bits(marked, monkey
     gm, example, ctx = marked
     import fp4compile
 
-    passes = LOWERED + [decode_for_emulation]  # as on CUDA: the GEMMs are fp4.emulated_mm either way
-    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    passes = LOWERED  # as on CUDA: the GEMMs are fp4.emulated_mm either way
+    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: True)
     ctx.recipe = ctx.recipe.replace(decoded_operands=decoded)
     fp4compile.manual_seed(5)
     _, y_ref, grads_ref = _run_with_grads(gm, example, ctx, passes)
@@ -488,8 +489,8 @@ def test_forward_shares_x_amaxes_with_wgrad(dynamo_graph, monkeypatch, decoded):
     import fp4compile
 
     _, gm, example = dynamo_graph
-    passes = LOWERED + [decode_for_emulation, fuse_amax]  # as on CUDA
-    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    passes = LOWERED + [fuse_amax]  # as on CUDA
+    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: True)
     monkeypatch.setattr(amax_module, "applies", lambda node: True)
     results = {}
     for shared in (False, True):
@@ -602,8 +603,8 @@ def test_weight_quantized_once_for_fprop_and_dgrad(marked, monkeypatch, decoded)
     gm, example, ctx = marked
     import fp4compile
 
-    passes = LOWERED + ([decode_for_emulation] if decoded else [])
-    monkeypatch.setattr(decode_module, "applies", lambda mm: True)
+    passes = LOWERED
+    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: decoded)
     results = {}
     for share in (False, True):
         ctx.recipe = ctx.recipe.replace(share_weight=share, decoded_operands=decoded)

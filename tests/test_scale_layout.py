@@ -206,7 +206,7 @@ def test_sharded_quantizers_of_cutlass_operands_write_the_tiled_layout():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from fp4compile.passes.lower_scaled_mm import lower_scaled_mm
+    from fp4compile.passes.lower_gemms import lower_gemms
     from fp4compile.sites import CompileContext
 
     import fp4compile.distributed  # noqa: F401  (registers fp4.quantize_sharded)
@@ -220,7 +220,7 @@ def test_sharded_quantizers_of_cutlass_operands_write_the_tiled_layout():
 
     with FakeTensorMode():
         gm = make_fx(f)(torch.empty(64, 64, dtype=torch.bfloat16), torch.empty(64, 64))
-    gm = lower_scaled_mm(gm, CompileContext(fp4compile.Recipe(), 0))
+    gm = lower_gemms(gm, CompileContext(fp4compile.Recipe(), 0))
     sharded = _nodes(gm.graph, torch.ops.fp4.quantize_sharded.default, layout="swizzled")
     assert len(sharded) == 1 and len(_nodes(gm.graph, torch.ops.fp4.quantize.default, layout="swizzled")) == 1
     assert not _nodes(gm.graph, torch.ops.fp4.swizzle_scales.default)
