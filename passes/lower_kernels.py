@@ -28,7 +28,10 @@ IR node): tens to hundreds of milliseconds each, which for a model's hundreds of
 most of the first step's compile. The answer depends only on the kernel and its arguments' types and
 constants, so for fp4compile's own kernels it is worked out once per (kernel, argument types and
 constants) and reused (``reuse_kernel_analysis``; ``config.kernel_analysis_cache`` off: every site is
-analysed, as Inductor does for other kernels, which stay untouched).
+analysed, as Inductor does for other kernels, which stay untouched). Likewise, nodes of one op with
+equal constants and tensor metadata (the same quantizer in every layer; an RNE node's unused seed
+counts as 0) are traced once per graph and inlined from that trace, so they also share Inductor's
+kernel-table entries.
 """
 
 from __future__ import annotations
@@ -214,6 +217,25 @@ def _trace(target, args: dict) -> tuple[fx.GraphModule, list]:
     return traced, [args[k] for k in names]
 
 
+def _trace_key(target, args: dict) -> Optional[tuple]:
+    """What ``_trace`` of ``target`` on ``args`` depends on: the constants, and each tensor's shape,
+    strides, dtype and device (the trace runs on fake values; no kernel reads where its input starts, so
+    the SR streams' slices of one ``fp4.sr_base`` share a trace). None where a constant is unhashable."""
+    parts = []
+    for name, arg in args.items():
+        value = _value(arg)
+        if isinstance(value, torch.Tensor):
+            parts.append((name, tuple(value.shape), value.stride(), value.dtype, value.device))
+        else:
+            parts.append((name, arg))
+    key = (target, tuple(parts))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def _inline(gm: fx.GraphModule, node: fx.Node, traced: fx.GraphModule, inputs: list) -> None:
     """Put ``traced``'s nodes before ``node`` (its inputs bound to ``inputs``) and let its outputs take
     the place of ``node``'s."""
@@ -300,6 +322,7 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if inductor:
         reuse_kernel_analysis()
     keys = _StreamKeys(gm)
+    traces: dict = {}
     changed = False
     stage = ctx.stage
     for node in list(gm.graph.nodes):
@@ -310,10 +333,16 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         ctx.kernels.append((stage, node.name, KERNEL_OPS[node.target], implementation, reason))
         if not implementation.startswith("in-graph "):
             continue
-        if any(args.get(name) == "sr" for name in _ROUNDING_ARGS):
+        if any(name in args for name in _ROUNDING_ARGS):
             _key_streams(node, args, keys)
-        traced, inputs = _trace(node.target, args)
-        _inline(gm, node, traced, inputs)
+        # Nodes of one op with equal constants and tensor metadata (a model's repeated layers) share a trace.
+        key = _trace_key(node.target, args)
+        traced = traces.get(key) if key is not None else None
+        if traced is None:
+            traced, _ = _trace(node.target, args)
+            if key is not None:
+                traces[key] = traced
+        _inline(gm, node, traced, [arg for arg in args.values() if isinstance(_value(arg), torch.Tensor)])
         changed = True
     keys.finish()
     if changed:

@@ -82,7 +82,7 @@ _SIMULATED = textwrap.dedent("""
     # Ops the lowering added that Inductor has no lowering for (it expects them decomposed).
     unlowered = [str(n.target) for n in new_nodes if n.target in select_decomp_table() and n.target not in lowerings]
     # What Inductor's analysis of each kernel says it writes: the op nodes behind those arguments.
-    writes, scalars = [], []
+    writes, scalars, tables = [], [], []
     for n in new_nodes:
         if str(n.target) != "triton_kernel_wrapper_functional":
             continue
@@ -92,6 +92,7 @@ _SIMULATED = textwrap.dedent("""
         names = get_mutated_tensors(n.kwargs["kernel_idx"], n.kwargs["constant_args_idx"], values,
                                     n.kwargs.get("tma_descriptor_metadata", {}))
         writes.append(sorted(str(kw[k].target) for k in names))
+        tables.append([n.kwargs["kernel_idx"], n.kwargs["constant_args_idx"]])
         scalars.append([getattr(kernel.fn, "__name__", "?"), sorted(
             (k, v) for k, v in {**kw, **kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])}.items()
             if not isinstance(v, torch.fx.Node))])
@@ -110,7 +111,7 @@ _SIMULATED = textwrap.dedent("""
     fresh = [names(analyse.__wrapped__(k, kw, {})) for k, kw in launches]
     print(json.dumps({"before": before, "after": after, "choices": ctx.kernels, "unlowered": unlowered,
                       "writes": writes, "scalars": scalars, "reused_equal_fresh": reused == fresh,
-                      "launches": len(launches), "analyses": len(analyse.answers)}))
+                      "launches": len(launches), "analyses": len(analyse.answers), "tables": tables}))
 """)
 
 
@@ -150,6 +151,9 @@ def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():
     # streams come as device data), so Inductor compiles that kernel once for both.
     rows = [s for s in result["scalars"] if s[0] == "_quantize_rows_kernel"]
     assert len(rows) == 4 and rows[-1] == rows[-2]
+    # They share one trace: the same kernel and constants entries of Inductor's kernel table.
+    row_tables = [t for s, t in zip(result["scalars"], result["tables"]) if s[0] == "_quantize_rows_kernel"]
+    assert row_tables[-1] == row_tables[-2] and row_tables[0] != row_tables[-1]
     # Likewise both streams of the dual quantizer (each its own device base).
     dual = [s for s in result["scalars"] if s[0] == "_dual_quantize_kernel"]
     assert len(dual) == 2 and dual[0] == dual[1]
