@@ -403,7 +403,7 @@ def emulated_scaled_mm(
     """C = A @ B^T for block-decoded operands A [M, K], B [N, K] (bf16, from fake_quantize_* or block_decode).
 
     fp32 accumulation (``torch.mm`` with an fp32 output), then ``cast(acc * alpha)`` with
-    ``alpha = formats.gemm_alpha(amax_a, amax_b)`` in ``_epilogue_kernel``: the arithmetic of
+    ``alpha = formats.gemm_alpha(amax_a, amax_b)``, both in ``_epilogue_kernel``: the arithmetic of
     ``reference.scaled_mm_reference``, up to the GEMM's summation order. Every step is a kernel launch or
     an aten op, so the ``lower_kernels`` pass can trace it into the graph Inductor compiles.
     ``cublaslt_scaled_mm`` does the same in one cuBLASLt GEMM with alpha in its epilogue.
@@ -411,11 +411,15 @@ def emulated_scaled_mm(
     _require_triton()
     if a_bd.dim() != 2 or b_bd.dim() != 2 or a_bd.shape[1] != b_bd.shape[1]:
         raise ValueError(f"emulated_scaled_mm needs A [M, K] and B [N, K], got {tuple(a_bd.shape)} and {tuple(b_bd.shape)}")
-    return _mm_then_epilogue(a_bd, b_bd, gemm_alpha(amax_a.to(a_bd.device), amax_b), out_dtype)
+    return _mm_then_epilogue(a_bd, b_bd, amax_a, amax_b, out_dtype)
 
 
-def _mm_then_epilogue(a_bd: torch.Tensor, b_bd: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype):
-    """``cast(alpha * (A @ B^T))``: the GEMM with an fp32 output, then ``_epilogue_kernel``."""
+def _mm_then_epilogue(a_bd: torch.Tensor, b_bd: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor,
+                      out_dtype: torch.dtype):
+    """``cast(alpha * (A @ B^T))``: the GEMM with an fp32 output, then ``_epilogue_kernel``, which
+    computes alpha from the two amaxes."""
+    amax_a = amax_a.detach().to(a_bd.device, torch.float32).reshape(1)
+    amax_b = amax_b.detach().to(a_bd.device, torch.float32).reshape(1)
     if a_bd.is_cuda:
         acc = torch.mm(a_bd, b_bd.t(), out_dtype=torch.float32)
     else:
@@ -425,7 +429,7 @@ def _mm_then_epilogue(a_bd: torch.Tensor, b_bd: torch.Tensor, alpha: torch.Tenso
     n = acc.numel()
     if n == 0:  # no tokens (or no outputs): nothing to launch
         return out
-    _launch(_epilogue_kernel, (triton.cdiv(n, cfg["BLOCK"]),), acc, alpha, out, n, BLOCK=cfg["BLOCK"],
+    _launch(_epilogue_kernel, (triton.cdiv(n, cfg["BLOCK"]),), acc, amax_a, amax_b, out, n, BLOCK=cfg["BLOCK"],
             **_launch_options(cfg))
     return out
 
@@ -439,14 +443,13 @@ def cublaslt_scaled_mm(
     logged once, unless ``FP4COMPILE_EMULATED_GEMM=cublaslt`` makes that an error."""
     from .. import cublaslt_gemm
 
-    alpha = gemm_alpha(amax_a.to(a_bd.device), amax_b)
     try:
         problem = cublaslt_gemm.dtype_problem(a_bd.dtype, b_bd.dtype, out_dtype)
         if problem:
             raise cublaslt_gemm.Unsupported(problem)
-        return cublaslt_gemm.mm_alpha(a_bd, b_bd, alpha, out_dtype)
+        return cublaslt_gemm.mm_alpha(a_bd, b_bd, gemm_alpha(amax_a.to(a_bd.device), amax_b), out_dtype)
     except cublaslt_gemm.Unsupported as err:
         if cublaslt_gemm.required():
             raise
         cublaslt_gemm.log_fallback(err)
-    return _mm_then_epilogue(a_bd, b_bd, alpha, out_dtype)
+    return _mm_then_epilogue(a_bd, b_bd, amax_a, amax_b, out_dtype)

@@ -79,10 +79,12 @@ if triton is not None:
         tl.store(alpha_ptr + offs, tl.full((BLOCK,), 0.0, tl.float32) + alpha, mask=offs < N)
 
     @_jit()
-    def _epilogue_kernel(acc_ptr, alpha_ptr, out_ptr, N, BLOCK: tl.constexpr):
-        """out = acc * alpha, cast to out's dtype."""
+    def _epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, out_ptr, N, BLOCK: tl.constexpr):
+        """out = acc * alpha, cast to out's dtype; alpha computed here as ``_alpha_kernel`` does (two
+        products, no sum: nothing to contract), so the GEMM needs no launch of its own for it."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
+        alpha = (tl.load(amax_a_ptr) * _INV_GLOBAL) * (tl.load(amax_b_ptr) * _INV_GLOBAL)
         acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
-        out = _round_to(acc * tl.load(alpha_ptr), out_ptr.dtype.element_ty)
+        out = _round_to(acc * alpha, out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
