@@ -4,7 +4,7 @@ Requires: ``insert_rht`` and ``insert_quantize`` (runs before ``lower_gemms``, w
 quantizer for the tiled scale layout where a CUTLASS GEMM reads it).
 Guarantees: every ``fp4.quantize`` whose input is an ``fp4.rht`` node used by nothing else is replaced
 by ``fp4.rht_quantize(x, size, fmt, block, rounding, seed, check)`` with the same seed and check label,
-so the bits are those of the CPU reference of the two ops (and the same scale ``layout``); the ``fp4.rht``
+so the bits are those of the CPU reference of the two ops (its keyword arguments carried over); the ``fp4.rht``
 node is removed. The quantize metadata stays on
 the new node, with ``rht`` set to the transform size. Operands quantized with a sharded amax
 (``fp4.quantize_sharded``) keep their separate RHT. Both formats are fused. On CUDA the fused op is

@@ -30,7 +30,9 @@ device; the choice and its reason are stored in the site's ``RoleInfo`` (``kerne
   decode pass runs. alpha stays inside ``fp4.emulated_mm`` (applied by the GEMM's epilogue or its
   epilogue kernel): as graph nodes fused by Inductor into the consumer the bits changed.
 - **Emulated, packed** (elsewhere: the CPU, MXFP4, batched activation GEMMs):
-  ``fp4.scaled_mm(..., "emulation")``, which decodes, multiplies and applies alpha in one op.
+  ``fp4.scaled_mm(..., "emulation")``, which decodes, multiplies and applies alpha in one op. A
+  ``scaled_mm`` implementation a user registered (``executors.register``) keeps its ``fp4.scaled_mm``
+  node with its kernel string, on CUDA too.
 
 The choice builds nothing and depends on the device's architecture, N, K and M only; a symbolic M
 (dynamic shapes) is taken at its size hint. Dequantize nodes and packed transposes left without users
@@ -77,10 +79,14 @@ def decodes_on(device: torch.device) -> bool:
 
 
 def _form(kernel: str, fmt: str, batched: bool, device: torch.device) -> str:
-    """The GEMM's final form: "cutlass", "decoded" or "packed"."""
+    """The GEMM's final form: "cutlass", "decoded" (the built-in emulation, where it decodes) or "packed"
+    (the emulation elsewhere, and any other implementation of ``scaled_mm`` a user registered, which
+    then runs as the op's call)."""
     if executors.is_cutlass_kernel(kernel):
         return "cutlass"
-    return "decoded" if fmt == "nvfp4" and not batched and decodes_on(device) else "packed"
+    if kernel == "emulation" and fmt == "nvfp4" and not batched and decodes_on(device):
+        return "decoded"
+    return "packed"
 
 
 # -- CUTLASS: scales in the tiled layout ---------------------------------------------------------
@@ -155,7 +161,7 @@ def _quantizer_decodes(gm: fx.GraphModule, mm: fx.Node, index: int) -> bool:
     q = _unpacked((*bd.args, amax))
     if q is None or q.target not in _DECODED_BY:
         return False
-    if any(u not in (bd, mm) for item in q.users for u in item.users):
+    if any(item.target is not operator.getitem or any(u not in (bd, mm) for u in item.users) for item in q.users):
         return False
     with gm.graph.inserting_before(q):
         fq, (decoded, fq_amax) = call_unpacked(gm.graph, _DECODED_BY[q.target], q.args, 2)
@@ -240,6 +246,6 @@ def lower_gemms(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if separate:
         ctx.note(f"graph {ctx.graph_id}: {separate} CUTLASS GEMM operands get their scales swizzled by a separate node")
     ctx.note(f"graph {ctx.graph_id}: lowered {sum(forms.values())} GEMMs: {forms['cutlass']} CUTLASS, "
-             f"{forms['decoded']} emulated on decoded operands ({by_quantizer} written decoded by their "
-             f"quantizer, the rest by fp4.decode_blocks), {forms['packed']} emulated on packed operands")
+             f"{forms['decoded']} emulated on decoded operands ({by_quantizer} operands written decoded by "
+             f"their quantizer, the others by fp4.decode_blocks), {forms['packed']} on packed operands")
     return gm

@@ -74,7 +74,8 @@ def _analysis_key(kernel, kwargs: dict, tma_descriptor_metadata) -> Optional[tup
     import sympy
 
     jit = getattr(kernel, "fn", None) if not hasattr(kernel, "src") else kernel  # an Autotuner wraps its JITFunction
-    if tma_descriptor_metadata or jit is None or not str(getattr(jit, "module", "")).startswith("fp4compile"):
+    module = str(getattr(jit, "module", ""))
+    if tma_descriptor_metadata or jit is None or not (module == "fp4compile" or module.startswith("fp4compile.")):
         return None
     items = []
     for name, value in sorted(kwargs.items()):
@@ -222,12 +223,14 @@ def _trace_key(target, args: dict) -> Optional[tuple]:
     strides, dtype and device (the trace runs on fake values; no kernel reads where its input starts, so
     the SR streams' slices of one ``fp4.sr_base`` share a trace). None where a constant is unhashable."""
     parts = []
+    first = {}  # a node passed as several arguments traces as one input: the pattern is part of the key
     for name, arg in args.items():
         value = _value(arg)
         if isinstance(value, torch.Tensor):
-            parts.append((name, tuple(value.shape), value.stride(), value.dtype, value.device))
+            same = first.setdefault(id(arg), name)
+            parts.append((name, tuple(value.shape), value.stride(), value.dtype, value.device, same))
         else:
-            parts.append((name, arg))
+            parts.append((name, type(arg).__name__, arg))
     key = (target, tuple(parts))
     try:
         hash(key)

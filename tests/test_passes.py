@@ -305,6 +305,8 @@ def _run_with_grads(gm, example, ctx, passes):
         def compile_graph(graph, inputs):
             for p in passes:
                 graph = p(graph, ctx)
+            graph.graph.lint()
+            graph.recompile()  # as run_passes does: the graph that runs is the one the passes made
             out[stage] = graph
             return make_boxed_func(graph.forward)
 
@@ -654,3 +656,34 @@ def test_transpose_quantized_is_the_quantization_of_the_transpose():
     assert torch.equal(F4.decode_blocks(data_t, scales_t), formats.block_decode(qt).to(torch.bfloat16))
     with pytest.raises(ValueError, match=r"16x16-tile quantized \[N, K\] weight .*got codes \(40, 40\)"):
         F4.transpose_quantized(torch.zeros(40, 40, dtype=torch.uint8), torch.zeros(40, 5, dtype=torch.uint8))
+
+
+def test_lower_gemms_keeps_a_registered_scaled_mm_as_its_call(marked, monkeypatch):
+    """A ``scaled_mm`` implementation a user registered keeps its ``fp4.scaled_mm`` node with its kernel
+    string where the built-in emulation would take the decoded form (CUDA; forced here on the CPU), and it
+    is what runs: the same bits as the emulation it calls, once per GEMM."""
+    import fp4compile
+    from fp4compile import executors, reference
+
+    calls = []
+
+    def call(kernel, *args):
+        calls.append(kernel)
+        return reference.scaled_mm_reference(*args)
+
+    gm, example, ctx = marked
+    fp4compile.manual_seed(3)
+    _, y_ref, grads_ref = _run_with_grads(gm, example, ctx, LOWERED)
+    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: True)
+    executors.register("scaled_mm", "mine", lambda spec: (True, "the user's GEMM"), call, before="emulation")
+    try:
+        fp4compile.manual_seed(3)
+        graphs, y, grads = _run_with_grads(gm, example, ctx, LOWERED)
+    finally:
+        executors.unregister("scaled_mm", "mine")
+    for graph in graphs.values():
+        assert role_nodes(graph, F4.emulated_mm.default) == [] and role_nodes(graph, F4.decode_blocks.default) == []
+        assert {mm.args[8] for mm in role_nodes(graph, F4.scaled_mm.default)} == {"mine"}
+    assert ctx.sites[2].roles["fprop"].kernel == "mine"
+    assert len(calls) == 4 + 8
+    assert torch.equal(y, y_ref) and all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
