@@ -40,10 +40,10 @@ import contextlib
 import copy
 import functools
 import operator
+from typing import Optional
 
 import torch
 import torch.fx as fx
-from typing import Optional
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fp4compile import config, executors, runtime
@@ -94,7 +94,7 @@ def _analysis_key(kernel, kwargs: dict, tma_descriptor_metadata) -> Optional[tup
     # reads of it is its first config's arguments (added to the launch's).
     configs = getattr(kernel, "configs", None) or ()
     extra = tuple(sorted(configs[0].kwargs.items())) if configs else ()
-    return jit, jit.src, extra, tuple(items)
+    return _hashable((jit, jit.src, extra, tuple(items)))
 
 
 def reuse_kernel_analysis() -> None:
@@ -115,11 +115,7 @@ def reuse_kernel_analysis() -> None:
     def reused(kernel, kwargs, tma_descriptor_metadata, *args, **kw):
         key = None
         if config.kernel_analysis_cache and not args and not kw:
-            try:
-                key = _analysis_key(kernel, kwargs, tma_descriptor_metadata)
-                hash(key)
-            except TypeError:  # an unhashable constant
-                key = None
+            key = _analysis_key(kernel, kwargs, tma_descriptor_metadata)
         if key is None:
             return analyse(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
         if key not in answers:
@@ -192,7 +188,21 @@ def _record(args: dict, op: str, inductor: bool) -> tuple[str, str]:
     return choice.name, "; ".join(r for r in (why, choice.reason) if r)
 
 
-def _trace(target, args: dict) -> tuple[fx.GraphModule, list]:
+def _tensor_names(args: dict) -> list:
+    """The names of the op's tensor arguments, in ``args`` order: the inputs of its trace."""
+    return [k for k, v in args.items() if isinstance(_value(v), torch.Tensor)]
+
+
+def _hashable(key: tuple) -> Optional[tuple]:
+    """``key``, or None where it holds something unhashable (an unhashable constant)."""
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _trace(target, args: dict) -> fx.GraphModule:
     """The op's implementation traced functionally on the nodes' fake values: a graph whose inputs are
     the op's tensor arguments (in ``args`` order)."""
     from torch._guards import detect_fake_mode
@@ -202,7 +212,7 @@ def _trace(target, args: dict) -> tuple[fx.GraphModule, list]:
 
     from fp4compile import ops
 
-    names = [k for k, v in args.items() if isinstance(_value(v), torch.Tensor)]
+    names = _tensor_names(args)
     constants = {k: v for k, v in args.items() if k not in names}
 
     def call(*tensors):
@@ -215,7 +225,7 @@ def _trace(target, args: dict) -> tuple[fx.GraphModule, list]:
         # (e.g. ``aten.zeros`` for a kernel's output buffer becomes ``aten.full``).
         traced = make_fx(dispatch_functionalize(call), decomposition_table=select_decomp_table(),
                          tracing_mode="real")(*values)
-    return traced, [args[k] for k in names]
+    return traced
 
 
 def _trace_key(target, args: dict) -> Optional[tuple]:
@@ -231,12 +241,7 @@ def _trace_key(target, args: dict) -> Optional[tuple]:
             parts.append((name, tuple(value.shape), value.stride(), value.dtype, value.device, same))
         else:
             parts.append((name, type(arg).__name__, arg))
-    key = (target, tuple(parts))
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+    return _hashable((target, tuple(parts)))
 
 
 def _inline(gm: fx.GraphModule, node: fx.Node, traced: fx.GraphModule, inputs: list) -> None:
@@ -342,10 +347,10 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         key = _trace_key(node.target, args)
         traced = traces.get(key) if key is not None else None
         if traced is None:
-            traced, _ = _trace(node.target, args)
+            traced = _trace(node.target, args)
             if key is not None:
                 traces[key] = traced
-        _inline(gm, node, traced, [arg for arg in args.values() if isinstance(_value(arg), torch.Tensor)])
+        _inline(gm, node, traced, [args[k] for k in _tensor_names(args)])
         changed = True
     keys.finish()
     if changed:
