@@ -218,13 +218,19 @@ def _trace(target, args: dict) -> fx.GraphModule:
     def call(*tensors):
         return target(**constants, **dict(zip(names, tensors)))
 
-    values = [_value(args[k]) for k in names]
-    fake_mode = detect_fake_mode(values)
+    fake_mode = detect_fake_mode([_value(args[k]) for k in names])
     with ops.tracing_kernels(), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
+        # Each node its own input tensor (one per node passed several times): the trace binds an input
+        # object once, so two nodes holding one value object would trace as one input.
+        inputs: dict = {}
+        for k in names:
+            if id(args[k]) not in inputs:
+                v = _value(args[k])
+                inputs[id(args[k])] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
         # With Inductor's decompositions, as AOTAutograd traces for it: Inductor lowers only what they leave
         # (e.g. ``aten.zeros`` for a kernel's output buffer becomes ``aten.full``).
         traced = make_fx(dispatch_functionalize(call), decomposition_table=select_decomp_table(),
-                         tracing_mode="real")(*values)
+                         tracing_mode="real")(*(inputs[id(args[k])] for k in names))
     return traced
 
 
@@ -246,7 +252,12 @@ def _trace_key(target, args: dict) -> Optional[tuple]:
 
 def _inline(gm: fx.GraphModule, node: fx.Node, traced: fx.GraphModule, inputs: list) -> None:
     """Put ``traced``'s nodes before ``node`` (its inputs bound to ``inputs``) and let its outputs take
-    the place of ``node``'s."""
+    the place of ``node``'s. Each copy gets its own fake values, computed from this site's inputs (a
+    trace inlined at several sites would otherwise hand them all one value object, which later traces
+    and Inductor's aliasing analysis would read as one tensor)."""
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode([_value(a) for a in inputs])
     env = {}
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     for p, arg in zip(placeholders, inputs):
@@ -259,7 +270,11 @@ def _inline(gm: fx.GraphModule, node: fx.Node, traced: fx.GraphModule, inputs: l
             if n.op == "output":
                 outputs = fx.map_arg(n.args[0], lambda a: env[a])
                 continue
-            env[n] = gm.graph.node_copy(n, lambda a: env[a])
+            copy_ = env[n] = gm.graph.node_copy(n, lambda a: env[a])
+            if fake_mode is not None and copy_.op == "call_function" and "val" in n.meta:
+                call_args, call_kwargs = fx.map_arg((copy_.args, copy_.kwargs), lambda a: a.meta["val"])
+                with fake_mode:
+                    copy_.meta["val"] = copy_.target(*call_args, **call_kwargs)
     if isinstance(outputs, (tuple, list)):
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem:

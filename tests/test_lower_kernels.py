@@ -30,7 +30,7 @@ class Stack(torch.nn.Module):
 # A graph of every kernel op on fake CUDA tensors, lowered as for Inductor on a simulated sm_90 device (the
 # kernels are traced, not compiled: no GPU needed). Prints the call targets before and after and the
 # report's choices.
-_SIMULATED = textwrap.dedent("""
+_SIMULATE_SM90 = textwrap.dedent("""
     import os, collections, json
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["FP4COMPILE_EMULATED_GEMM"] = "torch"  # the traceable GEMM, whether or not cuBLASLt is installed
@@ -50,7 +50,9 @@ _SIMULATED = textwrap.dedent("""
     import fp4compile
     from fp4compile.passes.lower_kernels import lower_kernels
     from fp4compile.sites import CompileContext
+""")
 
+_SIMULATED = _SIMULATE_SM90 + textwrap.dedent("""
     def f(x, w, dy):
         xa, _ = torch.ops.fp4.wgrad_amax(x, 16)
         xb, xamax = torch.ops.fp4.fake_quantize(x, "nvfp4", "1x16", "rne", 11, "", xa)
@@ -113,6 +115,45 @@ _SIMULATED = textwrap.dedent("""
                       "writes": writes, "scalars": scalars, "reused_equal_fresh": reused == fresh,
                       "launches": len(launches), "analyses": len(analyse.answers), "tables": tables}))
 """)
+
+
+# Two weights quantized with equal settings: their decodes share one trace, and the GEMMs read them (the
+# emulated wgrad's two decoded operands), once as two operands and once as the same operand twice. Prints,
+# for each torch.mm the lowering made, which graph inputs each of its two operands is computed from.
+_SHARED_TRACES = _SIMULATE_SM90 + textwrap.dedent("""
+    def f(w1, w2):
+        d1, s1, a1 = torch.ops.fp4.quantize(w1, "nvfp4", "16x16", "rne", 1, "")
+        d2, s2, a2 = torch.ops.fp4.quantize(w2, "nvfp4", "16x16", "rne", 2, "")
+        b1, b2 = torch.ops.fp4.decode_blocks(d1, s1), torch.ops.fp4.decode_blocks(d2, s2)
+        return (torch.ops.fp4.emulated_mm(b1, a1, b2, a2, "nvfp4", torch.float32),
+                torch.ops.fp4.emulated_mm(b1, a1, b1, a1, "nvfp4", torch.float32))
+
+    with FakeTensorMode():
+        w1, w2 = (torch.empty(64, 128, device="cuda", dtype=torch.float32) for _ in range(2))
+        gm = make_fx(f)(w1, w2)
+    ctx = CompileContext(fp4compile.Recipe(), 0)
+    ctx.inner = "inductor"
+    gm = lower_kernels(gm, ctx)
+    inputs = {}
+    for n in gm.graph.nodes:
+        inputs[n] = {n.name} if n.op == "placeholder" else set().union(*(inputs[a] for a in n.all_input_nodes))
+    order = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    mms = [[sorted(order.index(p) for p in inputs[a]) for a in n.args[:2]]
+           for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == "aten.mm.dtype"]
+    print(json.dumps({"mms": mms, "in_graph": sum(c[3] == "in-graph triton" for c in ctx.kernels)}))
+""")
+
+
+def test_equal_nodes_sharing_a_trace_keep_their_own_inputs():
+    """Nodes traced once and inlined at each site feed later kernel ops as distinct tensors: a GEMM of
+    two operands decoded by one shared trace reads both, not one of them twice."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _SHARED_TRACES], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["in_graph"] == 6  # two quantizers, two decodes, two GEMMs
+    assert result["mms"] == [[[0], [1]], [[0], [0]]]
 
 
 def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():

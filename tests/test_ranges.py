@@ -229,14 +229,17 @@ def test_recording_under_cuda_graphs_runs_on_every_replay():
         return steps, dict(counters["inductor"])
 
     graphs, counts = run("reduce-overhead")
-    assert not counts.get("cudagraph_skips") and counts.get("cudagraph_recorded_non_static_inputs", 0) == 0
+    # Recorded in CUDA graphs (none skipped); that every replay records into the histories, as the run
+    # without CUDA graphs does, is checked below.
+    assert counts.get("cudagraph_skips", 0) == 0
     plain, _ = run(None)
     assert len(graphs[-1]) == 8  # both blocks' four FP4 linears
     for step in range(1, 5):
         for name, history in graphs[step].items():
-            # One new amax per step, the older ones shifted by one: recorded on every replay.
+            # One new amax per step, the older ones shifted by one, each equal to the run without CUDA graphs
+            # (whose every step records): recorded on every replay. Two steps may share an amax (a bf16 value).
             assert torch.equal(history[:-1], graphs[step - 1][name][1:]), (step, name)
-            assert torch.isfinite(history[-1]) and history[-1] != graphs[step - 1][name][-1], (step, name)
+            assert torch.isfinite(history[-1]), (step, name)
             assert torch.equal(history, plain[step][name]), (step, name)
 
 
