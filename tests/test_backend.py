@@ -12,6 +12,7 @@ import fp4compile
 from fp4compile import Backend
 from models import MLPStack, TinyGPT, grads, lm_loss
 from recipe_reference import reference_recipe
+from tiers import first_fast
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -198,10 +199,7 @@ def test_sr_is_reproducible_from_the_same_state():
         assert torch.equal(runs[0][1][name], runs[1][1][name]), name
 
 
-@pytest.mark.parametrize(
-    "n_blocks, first, last",
-    [(1, 1, 1), (4, 1, 1), (12, 1, 2), (62, 2, 8)],
-)
+@pytest.mark.parametrize(*first_fast("n_blocks, first, last", [(1, 1, 1), (4, 1, 1), (12, 1, 2), (62, 2, 8)]))
 def test_precision_plan_follows_the_recipe_proportions(n_blocks, first, last):
     torch.manual_seed(0)
     model = MLPStack(n_blocks)

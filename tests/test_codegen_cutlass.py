@@ -645,6 +645,7 @@ def test_real_sm100a_build_of_a_2sm_configuration(real_cache):
 
 
 @pytest.mark.nvcc
+@pytest.mark.slow  # compiles a probe against the CUTLASS headers
 @pytest.mark.parametrize("m, n, k", [(1, 32, 32), (130, 64, 96), (256, 300, 512), (129, 257, 80)])
 def test_scale_layout_matches_cutlass(real_cache, monkeypatch, m, n, k):
     _toolchain_or_skip()

@@ -216,6 +216,7 @@ def _assert_grads_close(got: dict, want: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts two processes
 def test_ddp_equals_one_process_accumulating_the_micro_batches(ranks):
     """Each rank quantizes its micro-batch with its own amax: DDP's gradients are those of one process
     accumulating the two micro-batches."""

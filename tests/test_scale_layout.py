@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 import fp4compile  # noqa: E402
 from fp4compile import executors, formats, ops, scale_layout  # noqa: E402
 from fp4compile.codegen import cutlass_gemm, cutlass_runtime  # noqa: E402
+from tiers import first_fast  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's 1/0 in the interpreter
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,6 +53,7 @@ def test_triton_1x16_swizzled_scales_are_the_reference_swizzled(rows, k_blocks, 
     assert torch.equal(data.cpu(), ref.data.view(torch.uint8)) and torch.equal(amax.cpu(), ref.amax)
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, database=None, derandomize=True)
 @given(st.integers(1, 9), st.integers(1, 6))
 def test_triton_16x16_and_wgrad_swizzled_scales(row_tiles, k_blocks):
@@ -165,7 +167,7 @@ def _nodes(graph, target, **arguments):
     return [n for n in graph.nodes if n.target is target and all(bound(n).get(k) == v for k, v in arguments.items())]
 
 
-@pytest.mark.parametrize("share_weight", [True, False])
+@pytest.mark.parametrize(*first_fast("share_weight", [True, False]))
 def test_simulated_b200_step_reads_swizzled_scales_and_equals_emulation(monkeypatch, fresh_dynamo, share_weight):
     from models import MLPStack
 

@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 
 from fp4compile import formats, ops, runtime  # noqa: E402
 from fp4compile.codegen import triton_kernels as tk  # noqa: E402
+from tiers import first_fast  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's 1/0 in the interpreter
 
@@ -107,7 +108,7 @@ def test_available_reports_a_reason():
     assert isinstance(ok, bool) and reason
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(*first_fast("dtype", DTYPES))
 @pytest.mark.parametrize("rounding", ["rne", "sr"])
 def test_quantize_1x16(dtype, rounding):
     x = sample((48, 96), dtype, seed=1)  # neither dim a multiple of the tile
@@ -156,7 +157,7 @@ def test_quantize_16x16(dtype):
     assert_same_quantization(data, scales, amax, formats.quantize(w, block="16x16"))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(*first_fast("dtype", DTYPES))
 @pytest.mark.parametrize("rounding", ["rne", "sr"])
 def test_quantize_wgrad_operand(dtype, rounding):
     x = sample((96, 40), dtype, seed=6)  # 96 tokens, 40 features
@@ -171,7 +172,7 @@ def test_quantize_wgrad_operand_swizzled_batched():
     assert_same_quantization(data, scales, amax, wgrad_reference(x, "sr", seed=3), swizzled=True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(*first_fast("dtype", DTYPES))
 @pytest.mark.parametrize("rounding, rounding_t", [("sr", "sr"), ("rne", "sr")])
 def test_fake_quantize_dual_equals_the_two_quantizations(dtype, rounding, rounding_t):
     """One launch for a gradient's two decoded operands (1x16, and RHT(x^T)): the bits of the two kernels."""
@@ -395,7 +396,7 @@ def test_e4m3_scale_rounding():
     assert_same_quantization(*out, formats.quantize(x, amax=amax))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(*first_fast("dtype", DTYPES))
 def test_special_values(dtype):
     x = special_values(dtype)
     for rounding in ("rne", "sr"):
@@ -407,7 +408,7 @@ def test_special_values(dtype):
     assert_same_quantization(*out, wgrad_reference(x, "sr", seed=11))
 
 
-@pytest.mark.parametrize("fill", [0.0, float("inf"), float("nan")])
+@pytest.mark.parametrize(*first_fast("fill", [0.0, float("inf"), float("nan")]))
 def test_zero_and_non_finite(fill):
     x = sample((32, 32), torch.bfloat16, seed=9)
     if fill == 0.0:
@@ -430,7 +431,7 @@ def test_zero_and_non_finite(fill):
 
 
 @pytest.mark.parametrize(
-    "given, fill", [(3.5, None), (0.0, None), (float("inf"), None), (2.0, float("nan")), (2.0, float("inf"))]
+    *first_fast("given, fill", [(3.5, None), (0.0, None), (float("inf"), None), (2.0, float("nan")), (2.0, float("inf"))])
 )
 def test_given_amax(given, fill):
     x = sample((32, 48), torch.bfloat16, seed=10)
@@ -443,7 +444,7 @@ def test_given_amax(given, fill):
     assert_same_quantization(*out, wgrad_reference(x, "rne", amax=amax))
 
 
-@pytest.mark.parametrize("fill", [None, float("nan"), float("inf")])
+@pytest.mark.parametrize(*first_fast("fill", [None, float("nan"), float("inf")]))
 @pytest.mark.parametrize("rounding", ["rne", "sr"])
 def test_own_amax_is_one_pass_with_the_same_bits(rounding, fill):
     # The amax computed elsewhere (here by wgrad_amax, as one pass would give both) and passed as the
@@ -995,7 +996,7 @@ def _device_seed_cases():
     }
 
 
-@pytest.mark.parametrize("case", list(_device_seed_cases()))
+@pytest.mark.parametrize(*first_fast("case", list(_device_seed_cases())))
 def test_device_seed_equals_the_host_seed(case, sr_state):
     """A DeviceSeed(node) gives the bits of runtime.sr_seed(node), and after the step advances the same
     arguments give the next step's bits: the kernel reads the base when it runs."""
