@@ -326,10 +326,14 @@ class Backend:
         def aot_passes(graph: fx.GraphModule, stage: str) -> fx.GraphModule:
             return pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage, self.print_ir_after)
 
+        def joint_passes(graph: fx.GraphModule) -> None:
+            if any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.graph.nodes):
+                pipeline.run_passes(graph, ctx, pipeline.JOINT_PASSES, "joint", self.print_ir_after)
+
         if self.inner == "inductor":
-            compiled = _compile_inductor(gm, example_inputs, aot_passes, config)
+            compiled = _compile_inductor(gm, example_inputs, aot_passes, joint_passes, config)
         else:
-            compiled = _compile_eager(gm, example_inputs, aot_passes)
+            compiled = _compile_eager(gm, example_inputs, aot_passes, joint_passes)
         return grad_buffers.wrap(compiled, buffer_plan) if buffer_plan is not None else compiled
 
     def _records_graphs(self, inductor_config: dict) -> bool:
@@ -407,10 +411,11 @@ def _code_version() -> bytes:
     return digest.digest()
 
 
-def _version_pass(user):
-    """The post-grad pass fp4compile gives Inductor: the user's own post-grad passes (``user``, as Inductor's
-    ``post_grad_custom_pre_pass`` setting holds them: None, one pass or a list), run in order, under a
-    ``uuid()`` that adds fp4compile's code version to theirs. Inductor's FX graph cache keys its entries on
+def _version_pass(user, own=None):
+    """A custom pass fp4compile gives Inductor (its post-grad or joint-graph pre-pass): fp4compile's own
+    pass ``own(graph)`` if any, then the user's passes of that setting (``user``, as Inductor's setting
+    holds them: None, one pass or a list), run in order, under a ``uuid()`` that adds fp4compile's code
+    version to theirs. Inductor's FX graph cache keys its entries on
     it, so a graph compiled by another version of fp4compile (whose ops, kernels or generated calls may
     differ) is compiled again rather than served from the cache. A user pass without a uuid makes the
     cache bypass the graph, as it would without fp4compile. One pass rather than a list, because not every
@@ -422,6 +427,8 @@ def _version_pass(user):
 
     class _CodeVersion(aware or cgp.CustomGraphPass):
         def __call__(self, graph, is_inference: bool = False) -> None:
+            if own is not None:
+                own(graph)
             for p in passes:
                 if aware is not None and isinstance(p, aware):
                     p(graph, is_inference)
@@ -437,8 +444,9 @@ def _version_pass(user):
     return _CodeVersion()
 
 
-def _compile_inductor(gm, example_inputs, aot_passes, config_patches):
-    """Inductor's compile of ``gm`` with fp4compile's passes run on the forward and backward graphs.
+def _compile_inductor(gm, example_inputs, aot_passes, joint_passes, config_patches):
+    """Inductor's compile of ``gm`` with fp4compile's passes run on the joint graph (Inductor's
+    ``joint_custom_pre_pass``, before the user's own there) and on the forward and backward graphs.
 
     The passes run on every compile; Inductor's FX graph cache, keyed on the graphs they produce and on
     fp4compile's code version (``_version_pass``), serves the compiled code of a graph it has seen (a
@@ -452,13 +460,20 @@ def _compile_inductor(gm, example_inputs, aot_passes, config_patches):
         return compile_fx_inner(aot_passes(graph, stage), inputs, **kwargs)
 
     user = config_patches.get("post_grad_custom_pre_pass", inductor_config.post_grad_custom_pre_pass)
-    patches = {**config_patches, "post_grad_custom_pre_pass": _version_pass(user)}
+    user_joint = config_patches.get("joint_custom_pre_pass", inductor_config.joint_custom_pre_pass)
+    patches = {**config_patches, "post_grad_custom_pre_pass": _version_pass(user),
+               "joint_custom_pre_pass": _version_pass(user_joint, lambda graph: joint_passes(graph.owning_module))}
     return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
 
 
-def _compile_eager(gm, example_inputs, aot_passes):
+def _compile_eager(gm, example_inputs, aot_passes, joint_passes):
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import default_partition
+
+    def partition(joint, joint_inputs, **kwargs):
+        joint_passes(joint)
+        return default_partition(joint, joint_inputs, **kwargs)
 
     def compiler(stage):
         def compile_graph(graph, inputs):
@@ -467,7 +482,7 @@ def _compile_eager(gm, example_inputs, aot_passes):
         return compile_graph
 
     return aot_module_simplified(
-        gm, example_inputs, fw_compiler=compiler("forward"), bw_compiler=compiler("backward")
+        gm, example_inputs, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"), partition_fn=partition
     )
 
 

@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--input-high", type=int, metavar="N",
                          help="integer inputs are drawn from [0, N) (default: the smallest nn.Embedding's size)")
     inspect.add_argument("--show", choices=SHOW, default="table", help="what to print (default: table)")
-    inspect.add_argument("--stage", choices=("dynamo", "forward", "backward"),
+    inspect.add_argument("--stage", choices=("dynamo", "joint", "forward", "backward"),
                          help="graph stage for graphs/diff (default: all), mlir (default: forward), dot and "
                          "--image (default: backward)")
     inspect.add_argument("--full", action="store_true",
@@ -293,7 +293,7 @@ def _inspect(args) -> int:
 
 def _show(report, args) -> None:
     compiled = {g.stage for g in report.graphs}
-    stages = [args.stage] if args.stage else [s for s in ("dynamo", "forward", "backward") if s in compiled]
+    stages = [args.stage] if args.stage else [s for s in ("dynamo", "joint", "forward", "backward") if s in compiled]
     if args.show == "table":
         print(report.precision_table())
     elif args.show == "graphs":

@@ -107,11 +107,11 @@ def gemm(
 
     Operands arrive as the model holds them (e.g. fp32 master weights under BF16 autocast), so that
     quantization reads the full-precision tensor. ``b_codes, b_scales, b_amax``, where given, are b's
-    NVFP4 16x16-tile quantization made once for fprop and dgrad (``linear(..., share_weight=...)``):
+    NVFP4 16x16-tile quantization made once for fprop and dgrad (``passes/plan_sharing``):
     ``insert_quantize`` uses it instead of quantizing b again (for dgrad, whose b is W^T, they are W's
     codes and scales as the forward made them, and ``insert_quantize`` transposes them). ``x_amax``,
     where given, is the global amax of the activation operand as its NVFP4 quantizer sees it: max |X|
-    for fprop's a, max |RHT(X^T)| for wgrad's b (``linear(..., share_amax=...)``); ``insert_quantize``
+    for fprop's a, max |RHT(X^T)| for wgrad's b (``passes/plan_sharing``); ``insert_quantize``
     hands it to that quantizer. ``x_history``, where given (fprop), is the site's activation amax
     history (``fp4compile.ranges``): the forward graph records the amax of a's quantizer into it.
     Before the passes lower it, the op computes the high-precision product and ignores all of these.
@@ -457,19 +457,6 @@ def _autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _shared_weight_layout(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> str:
-    """The scale layout of a weight quantized once for fprop and dgrad: the 128x4 tiled layout where the
-    fprop GEMM gets a CUTLASS kernel (which reads only that layout; the backward's transpose and the
-    decode read either), so no separate swizzle runs before it; else row-major. Decided here, while
-    the forward and backward are traced, because the kept scales' shape (1-D when tiled) is part of
-    both graphs."""
-    if weight.dim() != 2 or not all(isinstance(d, int) for d in weight.shape):
-        return scale_layout.ROW_MAJOR
-    (n, k), m = weight.shape, x2.shape[0]  # a symbolic M is read at its hint, as lower_gemms reads it
-    choice = executors.choose_gemm(m, n, k, "nvfp4", dtype, x2.device)
-    return scale_layout.SWIZZLED if executors.is_cutlass_kernel(choice.name) else scale_layout.ROW_MAJOR
-
-
 class _LinearFunction(torch.autograd.Function):
     """y = x W^T + b whose forward and backward are three role-tagged ``fp4.gemm`` calls.
 
@@ -478,20 +465,10 @@ class _LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, site: int, dtype: torch.dtype, share_weight, share_amax, amax_history):
+    def forward(ctx, x, weight, bias, site: int, dtype: torch.dtype, amax_history):
         x2 = x.reshape(-1, x.shape[-1])
-        wq = [None, None, None]
-        if share_weight is not None:
-            # One 16x16-tile quantization of W for fprop and (transposed) dgrad: saved packed for backward.
-            seed, check = share_weight
-            layout = _shared_weight_layout(x2, weight, dtype)
-            wq = list(torch.ops.fp4.quantize(weight, "nvfp4", "16x16", "rne", seed, check, layout=layout))
-        x_amax = x_rht_amax = None
-        if share_amax is not None:
-            # One read of X for both of its amaxes: fprop's, and wgrad's after the RHT, saved for backward.
-            x_amax, x_rht_amax = torch.ops.fp4.wgrad_amax(x2, share_amax)
-        y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype, *wq, x_amax, amax_history)
-        ctx.save_for_backward(x2, weight, x_rht_amax, *(wq if share_weight is not None else ()))
+        y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype, x_history=amax_history)
+        ctx.save_for_backward(x2, weight)
         if bias is not None:
             y = y + bias.to(dtype)
         ctx.site, ctx.dtype = site, dtype
@@ -503,41 +480,31 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w, x_rht_amax, *wq = ctx.saved_tensors
+        x2, w = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            # The forward's quantization of W as it is: insert_quantize transposes it for dgrad in the
-            # backward graph, where lower_gemms can read it decoded and transposed instead (done
-            # here, the partitioner would move the transpose into the forward and save its result).
-            dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype, *wq)
+            dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype)
             dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = torch.ops.fp4.gemm(dy2.t(), x2.t(), "wgrad", ctx.site, ctx.dtype, None, None, None, x_rht_amax)
+            dw = torch.ops.fp4.gemm(dy2.t(), x2.t(), "wgrad", ctx.site, ctx.dtype)
             dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], site: int, share_weight=None,
-    share_amax: Optional[int] = None, amax_history: Optional[torch.Tensor] = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], site: int,
+    amax_history: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``F.linear`` whose three GEMMs carry role and site tags (see ``_LinearFunction``).
-
-    ``share_weight=(seed, check)``: quantize the weight once, NVFP4 with 16x16 tiles (the quantize node's
-    seed constant and check label), for the fprop GEMM and, transposed, for the dgrad GEMM; the packed
-    weight is what the backward keeps (its scales tiled where fprop runs on CUTLASS, see
-    ``_shared_weight_layout``). ``None``: each GEMM's operands are quantized by the passes.
-    ``share_amax=size``: the forward computes X's two NVFP4 amaxes in one read (``fp4.wgrad_amax(X,
-    size)``): max |X| for fprop and max |RHT(X^T)| (``size``-token chunks), which the backward keeps for
-    wgrad instead of reading X again for it. ``None``: each quantizer finds its own amax.
-    ``amax_history``: the site's activation amax history (``fp4compile.ranges``), which the forward
-    graph records fprop's amax of X into.
+    """``F.linear`` whose three GEMMs carry role and site tags (see ``_LinearFunction``). What the GEMMs
+    share across the forward and the backward (one quantization of W, one read of X for its two amaxes)
+    is planned on the joint graph (``passes/plan_sharing``). ``amax_history``: the site's activation amax
+    history (``fp4compile.ranges``), which the forward graph records fprop's amax of X into.
     """
     x = _autocast_input(x)
-    return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x), share_weight, share_amax, amax_history)
+    return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x), amax_history)
 
 
 linear.__name__ = "fp4_linear"

@@ -10,7 +10,9 @@ A ``Report`` answers, for the latest compilation of every graph dynamo captured:
 - ``dataflow(stage)`` / ``to_dot(stage)`` / ``save_image(path, stage)``: the data flow of a final graph
   with quantize, RHT, FP4-GEMM and high-precision-GEMM nodes coloured.
 
-Stages are "dynamo" (the torch-level graph), "forward" and "backward" (aot_autograd's ATen graphs).
+Stages are "dynamo" (the torch-level graph), "joint" (aot_autograd's joint forward-backward graph,
+before its partition: what the forward and the backward share is planned there), "forward" and
+"backward" (aot_autograd's ATen graphs).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, mo
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.sites import ROLES, CompileContext, GemmSite, StageGraph, copy_graph
 
-STAGES = ("dynamo", "forward", "backward")
+STAGES = ("dynamo", "joint", "forward", "backward")
 
 
 @dataclasses.dataclass
@@ -359,7 +361,7 @@ NODE_KINDS = {
 DARK_KINDS = ("fp4_gemm", "high_gemm", "rht")  # drawn with white text
 KEY_KINDS = ("fp4_gemm", "high_gemm", "quantize", "dequantize", "rht", "rht_quantize", "attention")
 
-STAGE_ROLES = {"dynamo": (), "forward": ("fprop",), "backward": ("dgrad", "wgrad")}
+STAGE_ROLES = {"dynamo": (), "joint": ("fprop", "dgrad", "wgrad"), "forward": ("fprop",), "backward": ("dgrad", "wgrad")}
 _ATEN_GEMMS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "_scaled_mm")
 
 

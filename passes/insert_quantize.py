@@ -8,12 +8,12 @@ to (recipe seed, site name, role, operand). With ``Recipe(check_finite=True)`` e
 layer, GEMM role and operand for the non-finite error. An operand declared sharded across a process
 group (``fp4compile.distributed``) is quantized by ``fp4.quantize_sharded``, with the global amax
 all-reduced (MAX) over that group, so each rank's shard gets the codes and scales of the full tensor.
-A weight quantized once for fprop and dgrad (``fp4.gemm`` given ``b_codes, b_scales, b_amax``: the
-``fp4.quantize`` of W in the forward, what the forward kept of it in the backward) is dequantized from
+A weight quantized once for fprop and dgrad (``fp4.gemm`` given ``b_codes, b_scales, b_amax`` by
+``plan_sharing``: the ``fp4.quantize`` of W in the forward, what the forward kept of it in the backward) is dequantized from
 those nodes instead of quantized again, where the plan is NVFP4 16x16 tiles, dgrad's through an
 ``fp4.transpose_quantized`` inserted here, in the backward graph; the extra arguments are dropped from
 the GEMM either way. The shared quantization's source node (the quantize, or the transpose) gets the
-``fp4_quantize`` metadata, with ``shared="fprop+dgrad"``. A GEMM given ``x_amax`` (``linear(..., share_amax=...)``)
+``fp4_quantize`` metadata, with ``shared="fprop+dgrad"``. A GEMM given ``x_amax`` (``plan_sharing``)
 hands it to the quantizer of X in fprop and of RHT(X^T) in wgrad (NVFP4 1x16, RHT planned, amax not
 sharded) as their ``amax`` argument, recorded in their metadata (``amax``); it is dropped otherwise.
 A fprop GEMM given ``x_history`` (``linear(..., amax_history=...)``) leaves it on the quantize node of X

@@ -15,15 +15,8 @@ A grouped site (MoE experts, ``site.experts``) becomes ``fp4compile.grouped``'s 
 (``grouped_sites.mark``), which plans its three roles itself; under MXFP4 it stays high, with the reason.
 An ``activation_matmul`` site ``A @ B`` (two activations, ``Recipe(include_activation_matmuls=True)``)
 becomes ``fp4.matmul(A, B, site)`` (in_features = K, out_features = N must fit the blocks).
-With ``Recipe(share_weight=True)`` (the default), NVFP4 16x16 weights and FP4 backward GEMMs, a linear
-gets ``share_weight=(seed, check)``: its weight is quantized once for fprop and dgrad, with the seed
-constant and check label ``insert_quantize`` would give fprop's W; weights whose amax is sharded across
-ranks (``fp4compile.distributed``) are quantized per GEMM as before.
-Where X's amax costs a read of its own (a CUDA tensor; ``fuse_amax.separate_amax_costs_a_read``), an
-NVFP4 linear with FP4 backward GEMMs and the RHT, a static token count that is a multiple of the RHT
-size and an unsharded X gets ``share_amax=rht_size``: its forward computes both amaxes of X in one
-``fp4.wgrad_amax`` read, fprop's X quantizer takes the first and the backward keeps the second for
-RHT(X^T), instead of reading X once more for it.
+What the three GEMMs share across the forward and the backward (one quantization of W, one read of X
+for both of its amaxes) is planned later, on the joint graph (``plan_sharing``).
 Where the backend records activation ranges (``ctx.ranges``: a graph compiled with gradients enabled,
 ``Recipe.amax_history`` > 0), an NVFP4 linear also gets its site's amax history (``fp4compile.ranges``)
 as ``amax_history``: a buffer of the graph module (``fp4_amax_history_<site index>``) that aot_autograd
@@ -37,45 +30,12 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fp4compile import distributed, ops
+from fp4compile import ops
 from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext, example_tensor
 
-from . import fuse_amax, grouped_sites
+from . import grouped_sites
 from .find_gemm_sites import regions
-from .insert_quantize import operand_seed_and_label
-
-
-def _share_weight(ctx: CompileContext, site) -> Optional[tuple]:
-    """(seed, check) of the one quantization of ``site``'s weight for fprop and dgrad, or None."""
-    recipe = ctx.recipe
-    if not (recipe.share_weight and recipe.quantize_backward and site.precision == "nvfp4"):
-        return None
-    if recipe.weight_block != "16x16" or distributed.group_key(site.name, "W", ctx.sharded_amax) is not None:
-        return None
-    seed, label, _ = operand_seed_and_label(recipe, site, "fprop", 1)
-    return seed, label
-
-
-def _share_amax(ctx: CompileContext, site, x: fx.Node) -> Optional[int]:
-    """The RHT size for ``linear(..., share_amax=size)``: X's fprop and wgrad amaxes from one read in the
-    forward, where both GEMMs quantize X in NVFP4 with a global amax of their own and wgrad with the
-    RHT, X's amax is not sharded, and its quantizers would otherwise each read X for it (a CUDA tensor)
-    with a static token count that is a multiple of the RHT size (no token padding). Else None."""
-    recipe = ctx.recipe
-    if not (recipe.quantize_backward and recipe.rht and site.precision == "nvfp4"):
-        return None
-    if distributed.group_key(site.name, "X", ctx.sharded_amax) is not None:
-        return None
-    val = example_tensor(x)
-    if val is None or val.dim() < 2 or not fuse_amax.separate_amax_costs_a_read(val):
-        return None
-    tokens = 1
-    for d in val.shape[:-1]:
-        if not isinstance(d, int):
-            return None  # symbolic: possibly padded
-        tokens *= d
-    return recipe.rht_size if tokens % recipe.rht_size == 0 else None
 
 
 class _Histories:
@@ -172,7 +132,7 @@ def _mark(gm: fx.GraphModule, ctx: CompileContext, histories: _Histories) -> int
                 else:  # matmul x @ B, or addmm(b, x, B): B is [in, out]
                     bias, x, param = node.args[:3] if site.kind == "addmm" else (None, *node.args[:2])
                     weight = gm.graph.call_function(torch.t, (param,))
-                args = (x, weight, bias, index, _share_weight(ctx, site), _share_amax(ctx, site, x))
+                args = (x, weight, bias, index)
                 history = histories(gm, site, index, x)
                 new = gm.graph.call_function(ops.linear, args + ((history,) if history is not None else ()))
         new.meta.update(node.meta)

@@ -1,12 +1,14 @@
 """The pass pipeline of the nvfp4 backend, declared in one place.
 
 Dynamo-level passes run on the torch-level FX graph dynamo captures; user precision passes run right
-after ``assign_precision``; aot-level passes run on the forward and on the backward graph that
-aot_autograd traces from the marked graph (they see the three role-tagged GEMMs of every FP4 linear).
+after ``assign_precision``; the joint pass runs on the joint forward-backward graph aot_autograd traces
+from the marked graph, before its partitioner splits it; aot-level passes run on the forward and on the
+backward graph (they see the three role-tagged GEMMs of every FP4 linear).
 
     find_gemm_sites -> find_blocks -> assign_precision -> keep_routers_high -> [user passes] -> check_plan
     -> mark_fp4_linear
-    ──aot_autograd──▶ plan_gemm_roles -> insert_rht -> insert_quantize -> fuse_rht_quantize
+    ──aot_autograd──▶ plan_sharing (joint graph) ──partition──▶
+                      plan_gemm_roles -> insert_rht -> insert_quantize -> fuse_rht_quantize
                       -> lower_gemms -> fuse_amax -> record_ranges -> lower_kernels
 
 Every pass is ``fn(gm, ctx) -> gm`` in its own module, with a docstring saying what it requires and
@@ -37,6 +39,7 @@ from .lower_gemms import lower_gemms
 from .lower_kernels import lower_kernels
 from .mark_fp4_linear import mark_fp4_linear
 from .plan_gemm_roles import plan_gemm_roles
+from .plan_sharing import plan_sharing
 from .record_ranges import record_ranges
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
@@ -46,6 +49,7 @@ DYNAMO_PASSES: list[Pass] = [
 ]
 # User precision passes are inserted at this index of DYNAMO_PASSES (after keep_routers_high).
 USER_PASS_INDEX = DYNAMO_PASSES.index(keep_routers_high) + 1
+JOINT_PASSES: list[Pass] = [plan_sharing]
 AOT_PASSES: list[Pass] = [
     plan_gemm_roles, insert_rht, insert_quantize, fuse_rht_quantize, lower_gemms, fuse_amax, record_ranges,
     lower_kernels,
@@ -88,6 +92,9 @@ def print_pipeline(user_passes: Sequence[Pass] = ()) -> str:
     lines = ["dynamo graph:"]
     for p in dynamo_pipeline(user_passes):
         lines.append(f"  {pass_name(p):20s} {_summary(p)}")
+    lines.append("aot_autograd joint graph, before the partition:")
+    for p in JOINT_PASSES:
+        lines.append(f"  {pass_name(p):20s} {_summary(p)}")
     lines.append("aot_autograd forward and backward graphs:")
     for p in AOT_PASSES:
         lines.append(f"  {pass_name(p):20s} {_summary(p)}")
@@ -104,8 +111,8 @@ def _print_after(selection, name: str) -> bool:
 
 def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Pass], stage: str, print_ir_after=None):
     """Run ``passes`` on ``gm`` in order. After each: the graph is linted and snapshotted for the report
-    (``ctx.graphs``), its time added to ``ctx.pass_seconds``; after the last: on the forward and backward
-    graphs (functional) the nodes nothing uses are removed, and the module's code is generated once.
+    (``ctx.graphs``), its time added to ``ctx.pass_seconds``; after the last: on aot_autograd's graphs
+    (functional) the nodes nothing uses are removed, and the module's code is generated once.
     Passes edit ``gm.graph`` and leave recompiling to this function."""
     ctx.record(stage, "input", gm)
     for p in passes:

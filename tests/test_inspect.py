@@ -229,7 +229,7 @@ def test_pass_snapshots_render_the_graph_as_it_was():
 
 
 def test_pass_snapshots_render_what_a_copy_of_the_graph_renders(monkeypatch):
-    """Every snapshot of a compile (dynamo, forward and backward graphs, all passes) renders the text that
+    """Every snapshot of a compile (dynamo, joint, forward and backward graphs, all passes) renders the text that
     ``copy_graph`` of the graph at that point renders: the compact record loses nothing."""
     from fp4compile import sites
 
@@ -246,7 +246,7 @@ def test_pass_snapshots_render_what_a_copy_of_the_graph_renders(monkeypatch):
     backend = Backend(inner="eager")
     torch.compile(MLPStack(3), backend=backend)(torch.randn(2, 16, 16)).sum().backward()
     codes = [g.code for g in backend.report.graphs]
-    assert len(codes) == len(expected) > 10 and {g.stage for g in backend.report.graphs} == {"dynamo", "forward", "backward"}
+    assert len(codes) == len(expected) > 10 and {g.stage for g in backend.report.graphs} == {"dynamo", "joint", "forward", "backward"}
     assert codes == expected
 
 

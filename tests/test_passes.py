@@ -10,12 +10,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import default_partition
 from functorch.compile import make_boxed_func
 
 from fp4compile import Recipe, ops
 from fp4compile.passes import fuse_amax as amax_module
 from fp4compile.passes import lower_gemms as gemms_module
-from fp4compile.passes import mark_fp4_linear as mark_module
 from fp4compile.passes.assign_precision import assign_precision
 from fp4compile.passes.find_blocks import find_blocks
 from fp4compile.passes.find_gemm_sites import find_gemm_sites
@@ -26,6 +26,7 @@ from fp4compile.passes.insert_rht import insert_rht
 from fp4compile.passes.lower_gemms import lower_gemms
 from fp4compile.passes.mark_fp4_linear import mark_fp4_linear
 from fp4compile.passes.plan_gemm_roles import plan_gemm_roles
+from fp4compile.passes.plan_sharing import plan_sharing
 from fp4compile.sites import CompileContext, clone_dynamo_module
 
 F4 = torch.ops.fp4
@@ -297,9 +298,18 @@ def test_quantize_dequantize_stage_is_numerically_close_to_lowered(marked):
     torch.testing.assert_close(results["qdq"], results["lowered"], rtol=1e-5, atol=1e-5)
 
 
-def _run_with_grads(gm, example, ctx, passes):
-    """(graphs, forward output, gradients of every input that requires grad) through ``passes``."""
+def _run_with_grads(gm, example, ctx, passes, joint=None):
+    """(graphs, forward output, gradients of every input that requires grad) through ``passes``, after
+    the joint graph's pass (``plan_sharing``) as the backend runs it; ``joint``, a list, gets that graph."""
     out = {}
+
+    def partition(graph, joint_inputs, **kwargs):
+        plan_sharing(graph, ctx)
+        graph.graph.lint()
+        graph.recompile()
+        if joint is not None:
+            joint.append(graph)
+        return default_partition(graph, joint_inputs, **kwargs)
 
     def compiler(stage):
         def compile_graph(graph, inputs):
@@ -312,7 +322,8 @@ def _run_with_grads(gm, example, ctx, passes):
 
         return compile_graph
 
-    compiled = aot_module_simplified(gm, example, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+    compiled = aot_module_simplified(gm, example, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                                     partition_fn=partition)
     inputs = [t.detach().clone().requires_grad_(t.requires_grad) for t in example]
     y = compiled(*inputs)
     y = y[0] if isinstance(y, (tuple, list)) else y
@@ -501,9 +512,14 @@ def test_forward_shares_x_amaxes_with_wgrad(dynamo_graph, monkeypatch, decoded):
         ctx = CompileContext(Recipe(decoded_operands=decoded), 0)
         for p in (find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear):
             p(marked, ctx)
-        assert [n.args[5] for n in marked.graph.nodes if n.target is ops.linear] == [16 if shared else None] * 4
         fp4compile.manual_seed(5)
-        results[shared] = _run_with_grads(marked, example, ctx, passes)
+        joint = []
+        results[shared] = _run_with_grads(marked, example, ctx, passes, joint)
+        # The joint graph's plan: one wgrad_amax of X per linear, read by its fprop and wgrad GEMMs.
+        amaxes = role_nodes(joint[0], F4.wgrad_amax.default)
+        assert len(amaxes) == (4 if shared else 0)
+        for node in amaxes:
+            assert sorted(u.args[2] for item in node.users for u in item.users) == ["fprop", "wgrad"]
     (graphs, y, grads), (_, y_ref, grads_ref) = results[True], results[False]
     forward, backward = graphs["forward"], graphs["backward"]
     assert _amax_sources(forward) == [("W", "own pass")] * 4 + [("X", "wgrad_amax")] * 4
@@ -610,13 +626,8 @@ def test_weight_quantized_once_for_fprop_and_dgrad(marked, monkeypatch, decoded)
     results = {}
     for share in (False, True):
         ctx.recipe = ctx.recipe.replace(share_weight=share, decoded_operands=decoded)
-        g = copy.deepcopy(gm)
-        for node in g.graph.nodes:  # the marking pass's choice, as it would make it for this recipe
-            if node.target is ops.linear:
-                node.args = (*node.args[:4], mark_module._share_weight(ctx, ctx.sites[node.args[3]]))
-        g.recompile()
         fp4compile.manual_seed(5)
-        results[share] = _run_with_grads(g, example, ctx, passes)
+        results[share] = _run_with_grads(copy.deepcopy(gm), example, ctx, passes)
     (graphs, y, grads), (_, y_ref, grads_ref) = results[True], results[False]
     forward, backward = graphs["forward"], graphs["backward"]
     weight_q = [n for n in forward.graph.nodes if n.target is F4.quantize.default and n.args[2] == "16x16"]

@@ -1,0 +1,150 @@
+"""plan_sharing: what an FP4 linear's forward and backward GEMMs share, planned on the joint graph.
+
+Requires: the joint forward-backward graph aot_autograd traces from the marked graph, before it is
+partitioned: each FP4 linear's three role-tagged ``fp4.gemm`` nodes (fprop ``X @ W^T``, dgrad
+``dY @ W``, wgrad ``dY^T @ X``) in one graph, nodes with fake values (``meta["val"]``).
+Guarantees:
+- **One quantization of W** where ``Recipe(share_weight=True)`` (the default), NVFP4 16x16 weight tiles,
+  FP4 backward GEMMs, the site runs in NVFP4, W's amax is not sharded across ranks
+  (``fp4compile.distributed``) and the graph holds both the site's fprop and its dgrad: one
+  ``fp4.quantize(W, "nvfp4", "16x16", "rne", seed, check, layout=...)`` before fprop (the seed constant
+  and check label ``insert_quantize`` gives fprop's W), whose codes, scales and amax fprop and dgrad
+  take as ``b_codes, b_scales, b_amax``. Its scales are in the 128x4 tiled layout where fprop gets a
+  CUTLASS kernel (which reads only that one), else row-major.
+- **One read of X for both of its amaxes** where X is a CUDA tensor (elsewhere the quantizer finds its
+  amax within its own pass), the recipe has the RHT and FP4 backward GEMMs, X's amax is not sharded,
+  its token count is static and a multiple of the RHT size, and the graph holds the site's fprop and
+  wgrad: one ``fp4.wgrad_amax(X, rht_size)`` before fprop, max |X| given to fprop and max |RHT(X^T)|
+  to wgrad as their ``x_amax``.
+
+The partitioner then decides where these nodes run as it does for any other: the forward computes
+them, and the backward reads what the forward kept (the packed weight, a one-element amax), or, in an
+activation-checkpointed region (whose tags the new nodes take from the fprop GEMM), computes them
+again. ``insert_quantize`` turns the given tensors into the GEMMs' operands. The plan is made here,
+once per graph, rather than by the op while the model is traced, so that the FP4 linear op carries
+only the model's tensors and its site.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from fp4compile import distributed, executors, scale_layout
+from fp4compile.sites import CompileContext, example_tensor
+
+from . import fuse_amax
+from .insert_quantize import operand_seed_and_label
+from .plan_gemm_roles import gemm_nodes
+
+QUANTIZE = torch.ops.fp4.quantize.default
+WGRAD_AMAX = torch.ops.fp4.wgrad_amax.default
+_GEMM_ARGS = ("a", "b", "role", "site", "dtype", "b_codes", "b_scales", "b_amax", "x_amax", "x_history")
+# What a node inserted for a GEMM takes from it: the activation-checkpoint tags, for the partitioner.
+_TAGS = ("recompute", "ac_graph_id", "stack_trace", "nn_module_stack")
+
+
+def _arguments(node: fx.Node) -> dict:
+    """The ``fp4.gemm`` node's arguments by name, defaults filled in."""
+    values = dict(zip(_GEMM_ARGS, node.args))
+    values.update(node.kwargs)
+    return {name: values.get(name) for name in _GEMM_ARGS}
+
+
+def _set(node: fx.Node, **changes) -> None:
+    values = {**_arguments(node), **changes}
+    node.args, node.kwargs = tuple(values[name] for name in _GEMM_ARGS), {}
+
+
+def _behind_transpose(node) -> Optional[fx.Node]:
+    """The tensor ``node`` transposes (dgrad's ``W^T``: a ``t`` or ``permute``/``transpose`` of W)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    if node.target in (torch.ops.aten.t.default, torch.ops.aten.permute.default, torch.ops.aten.transpose.int):
+        return node.args[0]
+    return None
+
+
+def _layout(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> str:
+    """The scale layout of the shared weight: tiled where fprop gets a CUTLASS kernel, else row-major.
+    A symbolic token count is read at its hint, as ``lower_gemms`` reads it."""
+    if weight.dim() != 2 or not all(isinstance(d, int) for d in weight.shape):
+        return scale_layout.ROW_MAJOR
+    (n, k), m = weight.shape, x.shape[0]
+    choice = executors.choose_gemm(m, n, k, "nvfp4", dtype, x.device)
+    return scale_layout.SWIZZLED if executors.is_cutlass_kernel(choice.name) else scale_layout.ROW_MAJOR
+
+
+def _insert(graph: fx.Graph, before: fx.Node, target, args: tuple, outputs: int, tags: dict) -> list:
+    """getitem nodes of ``target(*args)`` inserted before ``before``, with fake values and ``tags``."""
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args)
+        items = [graph.call_function(operator.getitem, (node, j)) for j in range(outputs)]
+    values = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
+    node.meta["val"] = target(*values)
+    for j, item in enumerate(items):
+        item.meta["val"] = node.meta["val"][j]
+    for n in (node, *items):
+        n.meta.update(tags)
+    return items
+
+
+def _shares_weight(ctx: CompileContext, site) -> bool:
+    recipe = ctx.recipe
+    return (recipe.share_weight and recipe.quantize_backward and site.precision == "nvfp4"
+            and recipe.weight_block == "16x16" and distributed.group_key(site.name, "W", ctx.sharded_amax) is None)
+
+
+def _amax_size(ctx: CompileContext, site, x: fx.Node) -> Optional[int]:
+    """The RHT size for one ``fp4.wgrad_amax`` of X, where it replaces a read of X; else None."""
+    recipe = ctx.recipe
+    if not (recipe.quantize_backward and recipe.rht and site.precision == "nvfp4"):
+        return None
+    if distributed.group_key(site.name, "X", ctx.sharded_amax) is not None:
+        return None
+    val = example_tensor(x)
+    if val is None or val.dim() != 2 or not fuse_amax.separate_amax_costs_a_read(val):
+        return None
+    if not isinstance(val.shape[0], int):
+        return None  # symbolic: possibly padded
+    return recipe.rht_size if val.shape[0] % recipe.rht_size == 0 else None
+
+
+def plan_sharing(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
+    by_site: dict = defaultdict(dict)
+    for node in gemm_nodes(gm):
+        args = _arguments(node)
+        site = ctx.sites[args["site"]]
+        if site.kind != "activation_matmul" and site.experts is None:  # the FP4 linears (fp4.linear)
+            by_site[args["site"]].setdefault(args["role"], node)
+    shared = amaxes = 0
+    for index, roles in by_site.items():
+        site, fprop = ctx.sites[index], roles.get("fprop")
+        if fprop is None:
+            continue
+        args = _arguments(fprop)
+        x, weight, tags = args["a"], args["b"], {k: fprop.meta[k] for k in _TAGS if k in fprop.meta}
+        dgrad, wgrad = roles.get("dgrad"), roles.get("wgrad")
+        if dgrad is not None and _shares_weight(ctx, site) and _behind_transpose(_arguments(dgrad)["b"]) is weight:
+            seed, label, _ = operand_seed_and_label(ctx.recipe, site, "fprop", 1)
+            layout = _layout(example_tensor(x), example_tensor(weight), args["dtype"])
+            parts = _insert(gm.graph, fprop, QUANTIZE, (weight, "nvfp4", "16x16", "rne", seed, label, None, None, layout), 3, tags)
+            parts[0].args[0].meta["fp4_quantize"] = {"site": site.name, "role": "fprop", "operand": "W", "block": "16x16",
+                                                     "rounding": "rne", "amax_group": None, "shared": "fprop+dgrad"}
+            _set(fprop, b_codes=parts[0], b_scales=parts[1], b_amax=parts[2])
+            _set(dgrad, b_codes=parts[0], b_scales=parts[1], b_amax=parts[2])
+            shared += 1
+        size = _amax_size(ctx, site, x) if wgrad is not None else None
+        if size is not None and _behind_transpose(_arguments(wgrad)["b"]) is x:
+            x_amax, x_rht_amax = _insert(gm.graph, fprop, WGRAD_AMAX, (x, size), 2, tags)
+            _set(fprop, x_amax=x_amax)
+            _set(wgrad, x_amax=x_rht_amax)
+            amaxes += 1
+    if shared or amaxes:
+        ctx.note(f"graph {ctx.graph_id}: {shared} weights quantized once for fprop and dgrad, "
+                 f"{amaxes} activations read once for both amaxes")
+    return gm
