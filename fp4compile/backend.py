@@ -324,6 +324,12 @@ class Backend:
         ctx.grad_buffers = list(buffer_plan.names) if buffer_plan is not None else []
 
         def aot_passes(graph: fx.GraphModule, stage: str) -> fx.GraphModule:
+            if stage == "backward" and not any(g.stage == "joint" for g in ctx.graphs):
+                self._warn(
+                    "the joint-graph pass did not run (Inductor's joint-graph passes are off: "
+                    "torch._inductor.config.use_joint_graph_passes, or a mode that turns them off), so no "
+                    "weight or activation amax is shared between the forward and the backward: each FP4 "
+                    "GEMM quantizes its operands itself (the same bits, more reads)", key="no joint pass")
             return pipeline.run_passes(graph, ctx, pipeline.AOT_PASSES, stage, self.print_ir_after)
 
         def joint_passes(graph: fx.GraphModule) -> None:

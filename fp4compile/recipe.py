@@ -56,7 +56,9 @@ class Recipe:
         the forward's quantization serves fprop and, transposed in packed form
         (``fp4.transpose_quantized``), dgrad, and the backward keeps the packed weight (0.56 bytes per
         parameter) instead of quantizing W^T again. Same bits either way (NUMERICS: quantizing W and
-        W^T gives the same codes, transposed); False quantizes W in each GEMM and keeps nothing.
+        W^T gives the same codes, transposed); False quantizes W in each GEMM and keeps nothing. Planned
+        on the joint graph (``plan_sharing``): where the graph has no dgrad for a linear (its input needs
+        no gradient), W is quantized per GEMM.
     amax_history: how many training forwards the activation range of each FP4 layer is kept over
         (``fp4compile.ranges``): the fprop quantizer's amax of the layer's input is recorded on the
         device by every forward compiled with gradients, and ``export(scheme="NVFP4")`` takes the

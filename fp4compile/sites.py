@@ -255,7 +255,7 @@ class CompileContext:
 
     @property
     def stage(self) -> str:
-        """The stage whose graph the passes are rewriting: "dynamo", "forward" or "backward"."""
+        """The stage whose graph the passes are rewriting: "dynamo", "joint", "forward" or "backward"."""
         return self.graphs[-1].stage if self.graphs else "dynamo"
 
     def note(self, message: str) -> None:

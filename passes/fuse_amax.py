@@ -21,7 +21,7 @@ pass over the operand instead of two (an amax pass, then the quantizing pass):
   the H200); under autocast the X operands are bf16 and keep their own pass.
 
 The amax is exact (a maximum, no rounding), so codes, scales and amax keep their bits. Quantizers with
-an amax already (X and RHT(X^T) of a linear whose forward shares X's amaxes: ``mark_fp4_linear``),
+an amax already (X and RHT(X^T) of a linear whose forward shares X's amaxes: ``plan_sharing``),
 sharded-amax operands (``fp4.quantize_sharded``), MXFP4 (no global scale) and 16x16
 weights (read from a graph input) keep their own amax pass. ``fp4_quantize`` metadata records where
 each amax comes from (``amax``: ``producer``, ``wgrad_amax``, ``wgrad_amax in the forward``, ``given``

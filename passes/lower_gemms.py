@@ -11,8 +11,7 @@ device; the choice and its reason are stored in the site's ``RoleInfo`` (``kerne
   the 128x4 tiled layout (``fp4compile.scale_layout``): each operand's producer (``fp4.quantize``,
   ``fp4.rht_quantize``, ``fp4.quantize_sharded``, dgrad's ``fp4.transpose_quantized``) whose scales only
   CUTLASS GEMMs read is asked to write that layout (``layout="swizzled"``); the weight quantized once
-  for fprop and dgrad arrives tiled already (chosen when the forward and backward are traced,
-  ``ops._shared_weight_layout``). Where something else also reads the row-major scales, or the producer
+  for fprop and dgrad arrives tiled already (chosen on the joint graph, ``plan_sharing``). Where something else also reads the row-major scales, or the producer
   cannot write the layout, an ``fp4.swizzle_scales`` node rearranges them for the GEMM: logged with the
   reason, which the site's ``kernel_reason`` records.
 - **Emulated, decoded** (NVFP4, 2-D, on CUDA): ``fp4.emulated_mm(a_bd, a_amax, b_bd, b_amax, fmt,

@@ -145,7 +145,7 @@ def _value(arg):
 def _symbolic(values: list) -> str:
     """A symbolic size among the op's arguments, as the reason it stays an op call ("" if none)."""
     for value in values:
-        if isinstance(value, torch.Tensor) and not all(isinstance(d, int) for d in (*value.shape, *value.stride())):
+        if isinstance(value, torch.Tensor) and not all(isinstance(d, int) for d in (*value.shape, *value.stride(), value.storage_offset())):
             return f"a symbolic size ({tuple(value.shape)})"
         if isinstance(value, torch.SymInt):
             return "a symbolic argument"
@@ -202,6 +202,14 @@ def _hashable(key: tuple) -> Optional[tuple]:
     return key
 
 
+def _like(v: torch.Tensor) -> torch.Tensor:
+    """A new tensor with ``v``'s shape, strides, storage offset, dtype and device (the launch code reads
+    the offset: a bf16 view whose rows start off a 32-bit word is copied before the 1x16 kernel)."""
+    extent = 1 + sum((d - 1) * s for d, s in zip(v.shape, v.stride())) if v.numel() else 0
+    base = torch.empty(v.storage_offset() + extent, dtype=v.dtype, device=v.device)
+    return base.as_strided(v.shape, v.stride(), v.storage_offset())
+
+
 def _trace(target, args: dict) -> fx.GraphModule:
     """The op's implementation traced functionally on the nodes' fake values: a graph whose inputs are
     the op's tensor arguments (in ``args`` order)."""
@@ -225,8 +233,7 @@ def _trace(target, args: dict) -> fx.GraphModule:
         inputs: dict = {}
         for k in names:
             if id(args[k]) not in inputs:
-                v = _value(args[k])
-                inputs[id(args[k])] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                inputs[id(args[k])] = _like(_value(args[k]))
         # With Inductor's decompositions, as AOTAutograd traces for it: Inductor lowers only what they leave
         # (e.g. ``aten.zeros`` for a kernel's output buffer becomes ``aten.full``).
         traced = make_fx(dispatch_functionalize(call), decomposition_table=select_decomp_table(),
@@ -236,15 +243,17 @@ def _trace(target, args: dict) -> fx.GraphModule:
 
 def _trace_key(target, args: dict) -> Optional[tuple]:
     """What ``_trace`` of ``target`` on ``args`` depends on: the constants, and each tensor's shape,
-    strides, dtype and device (the trace runs on fake values; no kernel reads where its input starts, so
-    the SR streams' slices of one ``fp4.sr_base`` share a trace). None where a constant is unhashable."""
+    strides, dtype, device and the parity of its storage offset (the trace runs on fake values; of where
+    an input starts, the launch code reads only whether a bf16 row starts on a 32-bit word, so the SR
+    streams' slices of one ``fp4.sr_base`` share a trace). None where a constant is unhashable."""
     parts = []
     first = {}  # a node passed as several arguments traces as one input: the pattern is part of the key
     for name, arg in args.items():
         value = _value(arg)
         if isinstance(value, torch.Tensor):
             same = first.setdefault(id(arg), name)
-            parts.append((name, tuple(value.shape), value.stride(), value.dtype, value.device, same))
+            parts.append((name, tuple(value.shape), value.stride(), value.storage_offset() % 2, value.dtype,
+                          value.device, same))
         else:
             parts.append((name, type(arg).__name__, arg))
     return _hashable((target, tuple(parts)))

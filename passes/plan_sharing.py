@@ -19,8 +19,9 @@ Guarantees:
 
 The partitioner then decides where these nodes run as it does for any other: the forward computes
 them, and the backward reads what the forward kept (the packed weight, a one-element amax), or, in an
-activation-checkpointed region (whose tags the new nodes take from the fprop GEMM), computes them
-again. ``insert_quantize`` turns the given tensors into the GEMMs' operands. The plan is made here,
+activation-checkpointed region (the new nodes join the fprop GEMM's region, with the policy
+``PREFER_RECOMPUTE`` whatever a selective policy said for the GEMM), computes them again where the
+partitioner prefers. ``insert_quantize`` turns the given tensors into the GEMMs' operands. The plan is made here,
 once per graph, rather than by the op while the model is traced, so that the FP4 linear op carries
 only the model's tensors and its site.
 """
@@ -33,6 +34,7 @@ from typing import Optional
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fp4compile import distributed, executors, scale_layout
 from fp4compile.sites import CompileContext, example_tensor
@@ -44,8 +46,8 @@ from .plan_gemm_roles import gemm_nodes
 QUANTIZE = torch.ops.fp4.quantize.default
 WGRAD_AMAX = torch.ops.fp4.wgrad_amax.default
 _GEMM_ARGS = ("a", "b", "role", "site", "dtype", "b_codes", "b_scales", "b_amax", "x_amax", "x_history")
-# What a node inserted for a GEMM takes from it: the activation-checkpoint tags, for the partitioner.
-_TAGS = ("recompute", "ac_graph_id", "stack_trace", "nn_module_stack")
+# What a node inserted for a GEMM takes from it: its checkpointed region (for the partitioner) and source.
+_TAGS = ("ac_graph_id", "stack_trace", "nn_module_stack")
 
 
 def _arguments(node: fx.Node) -> dict:
@@ -128,6 +130,8 @@ def plan_sharing(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         args = _arguments(fprop)
         x, weight, tags = args["a"], args["b"], {k: fprop.meta[k] for k in _TAGS if k in fprop.meta}
+        if "recompute" in fprop.meta:  # in a checkpointed region: recomputed where the partitioner prefers
+            tags["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
         dgrad, wgrad = roles.get("dgrad"), roles.get("wgrad")
         if dgrad is not None and _shares_weight(ctx, site) and _behind_transpose(_arguments(dgrad)["b"]) is weight:
             seed, label, _ = operand_seed_and_label(ctx.recipe, site, "fprop", 1)

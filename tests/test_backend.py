@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -83,6 +84,37 @@ def test_parameters_are_static_inputs_of_the_compiled_graphs(monkeypatch):
     assert n_inputs == n_params + n_histories + 1  # the parameters, the histories and the token ids
     assert len(static) == n_params + n_histories, static
     assert "backward" in seen
+
+
+def test_inductor_plans_sharing_on_the_joint_graph_and_says_when_it_cannot():
+    """Under Inductor the joint graph's pass plans one quantization of each FP4 weight (kept packed for
+    dgrad); with Inductor's joint-graph passes off it cannot, says so once, and each GEMM quantizes W
+    itself: the same bits."""
+    from torch._inductor import config as inductor_config
+
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(2))
+    results = {}
+    for joint in (True, False):
+        torch._dynamo.reset()
+        fp4compile.manual_seed(3)
+        model = _gpt(n_layer=4, d=32)
+        backend = Backend()
+        with inductor_config.patch(use_joint_graph_passes=joint), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            logits, _ = _train_step(model, backend, idx)
+        said = [str(w.message) for w in caught if "joint-graph pass did not run" in str(w.message)]
+        assert len(said) == (0 if joint else 1), said
+        stages = {g.stage for g in backend.report.graphs}
+        assert ("joint" in stages) == joint
+        backward = backend.report.fx_graph("backward")
+        transposes = [n for n in backward.nodes if n.target is torch.ops.fp4.transpose_quantized.default]
+        assert len(transposes) == (8 if joint else 0)  # the FP4 blocks' 8 linears: dgrad reads the kept W
+        results[joint] = (logits.detach(), [p.grad for p in model.parameters()])
+    assert torch.equal(results[True][0], results[False][0])
+    # Inductor's own joint-graph passes (off in the second run) change how the high-precision backward
+    # is fused, so the gradients agree to float32 rounding, not bit for bit.
+    for a, b in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_inductor_matches_eager_inner():

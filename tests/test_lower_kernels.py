@@ -118,19 +118,24 @@ _SIMULATED = _SIMULATE_SM90 + textwrap.dedent("""
 
 
 # Two weights quantized with equal settings: their decodes share one trace, and the GEMMs read them (the
-# emulated wgrad's two decoded operands), once as two operands and once as the same operand twice. Prints,
-# for each torch.mm the lowering made, which graph inputs each of its two operands is computed from.
+# emulated wgrad's two decoded operands), once as two operands and once as the same operand twice. And two
+# bf16 views of one buffer quantized with equal settings, one whose rows start off a 32-bit word. Prints,
+# for each torch.mm the lowering made, which graph inputs each of its two operands is computed from, and
+# what each 1x16 kernel's input is behind its views (the graph input, or the copy the launch made).
 _SHARED_TRACES = _SIMULATE_SM90 + textwrap.dedent("""
-    def f(w1, w2):
+    def f(w1, w2, x):
         d1, s1, a1 = torch.ops.fp4.quantize(w1, "nvfp4", "16x16", "rne", 1, "")
         d2, s2, a2 = torch.ops.fp4.quantize(w2, "nvfp4", "16x16", "rne", 2, "")
         b1, b2 = torch.ops.fp4.decode_blocks(d1, s1), torch.ops.fp4.decode_blocks(d2, s2)
+        even = torch.ops.fp4.fake_quantize(x.narrow(0, 2, 64 * 128).view(64, 128), "nvfp4", "1x16", "rne", 3, "")[0]
+        odd = torch.ops.fp4.fake_quantize(x.narrow(0, 1, 64 * 128).view(64, 128), "nvfp4", "1x16", "rne", 4, "")[0]
         return (torch.ops.fp4.emulated_mm(b1, a1, b2, a2, "nvfp4", torch.float32),
-                torch.ops.fp4.emulated_mm(b1, a1, b1, a1, "nvfp4", torch.float32))
+                torch.ops.fp4.emulated_mm(b1, a1, b1, a1, "nvfp4", torch.float32), even, odd)
 
     with FakeTensorMode():
         w1, w2 = (torch.empty(64, 128, device="cuda", dtype=torch.float32) for _ in range(2))
-        gm = make_fx(f)(w1, w2)
+        x = torch.empty(64 * 128 + 2, device="cuda", dtype=torch.bfloat16)
+        gm = make_fx(f)(w1, w2, x)
     ctx = CompileContext(fp4compile.Recipe(), 0)
     ctx.inner = "inductor"
     gm = lower_kernels(gm, ctx)
@@ -140,7 +145,15 @@ _SHARED_TRACES = _SIMULATE_SM90 + textwrap.dedent("""
     order = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     mms = [[sorted(order.index(p) for p in inputs[a]) for a in n.args[:2]]
            for n in gm.graph.nodes if n.op == "call_function" and str(n.target) == "aten.mm.dtype"]
-    print(json.dumps({"mms": mms, "in_graph": sum(c[3] == "in-graph triton" for c in ctx.kernels)}))
+    def behind_views(n):
+        while n.op == "call_function" and torch.Tag.view_copy not in getattr(n.target, "tags", ()) and (
+                getattr(n.target, "is_view", False) or str(n.target) in ("aten.view.default", "aten.slice.Tensor")):
+            n = n.args[0]
+        return n.op if n.op == "placeholder" else str(n.target)
+    rows = [behind_views(n.kwargs["kwargs"]["x_ptr"]) for n in gm.graph.nodes
+            if str(n.target) == "triton_kernel_wrapper_functional" and "x_ptr" in n.kwargs["kwargs"]
+            and n.kwargs["kwargs"]["x_ptr"].meta["val"].dtype == torch.bfloat16]
+    print(json.dumps({"mms": mms, "in_graph": sum(c[3] == "in-graph triton" for c in ctx.kernels), "rows": rows}))
 """)
 
 
@@ -152,8 +165,11 @@ def test_equal_nodes_sharing_a_trace_keep_their_own_inputs():
     out = subprocess.run([sys.executable, "-c", _SHARED_TRACES], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["in_graph"] == 6  # two quantizers, two decodes, two GEMMs
+    assert result["in_graph"] == 8  # four quantizers, two decodes, two GEMMs
     assert result["mms"] == [[[0], [1]], [[0], [0]]]
+    # The view whose rows start off a 32-bit word is copied before its kernel, the other read in place.
+    # (Each quantizer launches its amax kernel and its quantize kernel on the view.)
+    assert result["rows"] == ["placeholder"] * 2 + ["aten.clone.default"] * 2, result["rows"]
 
 
 def test_kernel_ops_become_triton_kernels_in_the_graph_for_inductor_on_cuda():

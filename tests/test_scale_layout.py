@@ -191,12 +191,14 @@ def test_simulated_b200_step_reads_swizzled_scales_and_equals_emulation(monkeypa
     # 6 linears: 6 fprop, 6 wgrad, 5 dgrad (the input needs no gradient).
     assert len(mms) == 17 and all(n.args[8].startswith("cutlass:") for n in mms)
     # Forward: every quantizer writes the tiled layout, the weight kept for the backward's transpose too
-    # (its layout decided as the forward and backward are traced), so no operand is swizzled separately.
+    # (its layout decided on the joint graph), so no operand is swizzled separately.
     assert len(_nodes(forward, fp4.quantize.default, layout="swizzled")) == 12
     assert not _nodes(forward, fp4.swizzle_scales.default)
     # Backward: dY for dgrad, W^T (the transpose of the kept weight, or quantized again), both wgrad operands.
     tiled = _nodes(backward, fp4.quantize.default, layout="swizzled") + _nodes(backward, fp4.rht_quantize.default, layout="swizzled")
     assert len(tiled) + len(_nodes(backward, fp4.transpose_quantized.default, layout="swizzled")) == 5 * 2 + 6 * 2
+    # Shared: each dgrad reads the kept weight transposed (planned on the joint graph Inductor partitions).
+    assert len(_nodes(backward, fp4.transpose_quantized.default)) == (5 if share_weight else 0)
     assert not _nodes(backward, fp4.swizzle_scales.default)
     # Every CUTLASS GEMM reads 1-D (tiled) scales.
     assert all(mm.args[i].meta["val"].dim() == 1 for mm in mms for i in (1, 4))
