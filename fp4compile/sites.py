@@ -41,6 +41,17 @@ def example_values(args) -> tuple:
     return tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args)
 
 
+def bound_arguments(node: torch.fx.Node) -> dict:
+    """An op node's arguments by name, in its schema's order, defaults filled in."""
+    schema = node.target._schema
+    values = dict(zip((a.name for a in schema.arguments), node.args))
+    values.update(node.kwargs)
+    for a in schema.arguments:
+        if a.name not in values and a.has_default_value():
+            values[a.name] = a.default_value
+    return values
+
+
 def call_unpacked(graph: torch.fx.Graph, target, args, outputs: int) -> tuple:
     """(node, [getitem nodes 0 .. outputs-1]) for a multi-output op inserted at the graph's insert point,
     each with its ``meta["val"]`` from the op's fake implementation (the inputs' values are FakeTensors)."""

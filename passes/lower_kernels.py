@@ -47,7 +47,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fp4compile import config, executors, runtime
-from fp4compile.sites import CompileContext
+from fp4compile.sites import CompileContext, bound_arguments
 
 KERNEL_OPS = {
     torch.ops.fp4.quantize.default: "fp4.quantize",
@@ -125,17 +125,6 @@ def reuse_kernel_analysis() -> None:
     reused._fp4compile_reuse = True
     reused.answers = answers
     setattr(wrap, name, reused)
-
-
-def _bound(node: fx.Node) -> dict:
-    """The node's arguments by name (defaults filled in)."""
-    schema = node.target._schema
-    values = dict(zip((a.name for a in schema.arguments), node.args))
-    values.update(node.kwargs)
-    for a in schema.arguments:
-        if a.name not in values and a.has_default_value():
-            values[a.name] = a.default_value
-    return values
 
 
 def _value(arg):
@@ -360,7 +349,7 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in KERNEL_OPS:
             continue
-        args = _bound(node)
+        args = bound_arguments(node)
         implementation, reason = _record(args, KERNEL_OPS[node.target][len("fp4."):], inductor)
         ctx.kernels.append((stage, node.name, KERNEL_OPS[node.target], implementation, reason))
         if not implementation.startswith("in-graph "):

@@ -28,7 +28,6 @@ only the model's tensors and its site.
 
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
 from typing import Optional
 
@@ -37,7 +36,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from fp4compile import distributed, executors, scale_layout
-from fp4compile.sites import CompileContext, example_tensor
+from fp4compile.sites import CompileContext, bound_arguments, call_unpacked, example_tensor
 
 from . import fuse_amax
 from .insert_quantize import operand_seed_and_label
@@ -45,21 +44,14 @@ from .plan_gemm_roles import gemm_nodes
 
 QUANTIZE = torch.ops.fp4.quantize.default
 WGRAD_AMAX = torch.ops.fp4.wgrad_amax.default
-_GEMM_ARGS = ("a", "b", "role", "site", "dtype", "b_codes", "b_scales", "b_amax", "x_amax", "x_history")
 # What a node inserted for a GEMM takes from it: its checkpointed region (for the partitioner) and source.
 _TAGS = ("ac_graph_id", "stack_trace", "nn_module_stack")
 
 
-def _arguments(node: fx.Node) -> dict:
-    """The ``fp4.gemm`` node's arguments by name, defaults filled in."""
-    values = dict(zip(_GEMM_ARGS, node.args))
-    values.update(node.kwargs)
-    return {name: values.get(name) for name in _GEMM_ARGS}
-
-
 def _set(node: fx.Node, **changes) -> None:
-    values = {**_arguments(node), **changes}
-    node.args, node.kwargs = tuple(values[name] for name in _GEMM_ARGS), {}
+    """Give the ``fp4.gemm`` node ``changes`` (arguments by name); all its arguments become positional."""
+    values = {**bound_arguments(node), **changes}
+    node.args, node.kwargs = tuple(values[a.name] for a in node.target._schema.arguments), {}
 
 
 def _behind_transpose(node) -> Optional[fx.Node]:
@@ -82,14 +74,9 @@ def _layout(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> str:
 
 
 def _insert(graph: fx.Graph, before: fx.Node, target, args: tuple, outputs: int, tags: dict) -> list:
-    """getitem nodes of ``target(*args)`` inserted before ``before``, with fake values and ``tags``."""
+    """getitem nodes of ``target(*args)`` inserted before ``before`` (``call_unpacked``), with ``tags``."""
     with graph.inserting_before(before):
-        node = graph.call_function(target, args)
-        items = [graph.call_function(operator.getitem, (node, j)) for j in range(outputs)]
-    values = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
-    node.meta["val"] = target(*values)
-    for j, item in enumerate(items):
-        item.meta["val"] = node.meta["val"][j]
+        node, items = call_unpacked(graph, target, args, outputs)
     for n in (node, *items):
         n.meta.update(tags)
     return items
@@ -119,7 +106,7 @@ def _amax_size(ctx: CompileContext, site, x: fx.Node) -> Optional[int]:
 def plan_sharing(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     by_site: dict = defaultdict(dict)
     for node in gemm_nodes(gm):
-        args = _arguments(node)
+        args = bound_arguments(node)
         site = ctx.sites[args["site"]]
         if site.kind != "activation_matmul" and site.experts is None:  # the FP4 linears (fp4.linear)
             by_site[args["site"]].setdefault(args["role"], node)
@@ -128,12 +115,12 @@ def plan_sharing(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         site, fprop = ctx.sites[index], roles.get("fprop")
         if fprop is None:
             continue
-        args = _arguments(fprop)
+        args = bound_arguments(fprop)
         x, weight, tags = args["a"], args["b"], {k: fprop.meta[k] for k in _TAGS if k in fprop.meta}
         if "recompute" in fprop.meta:  # in a checkpointed region: recomputed where the partitioner prefers
             tags["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
         dgrad, wgrad = roles.get("dgrad"), roles.get("wgrad")
-        if dgrad is not None and _shares_weight(ctx, site) and _behind_transpose(_arguments(dgrad)["b"]) is weight:
+        if dgrad is not None and _shares_weight(ctx, site) and _behind_transpose(bound_arguments(dgrad)["b"]) is weight:
             seed, label, _ = operand_seed_and_label(ctx.recipe, site, "fprop", 1)
             layout = _layout(example_tensor(x), example_tensor(weight), args["dtype"])
             parts = _insert(gm.graph, fprop, QUANTIZE, (weight, "nvfp4", "16x16", "rne", seed, label, None, None, layout), 3, tags)
@@ -143,7 +130,7 @@ def plan_sharing(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             _set(dgrad, b_codes=parts[0], b_scales=parts[1], b_amax=parts[2])
             shared += 1
         size = _amax_size(ctx, site, x) if wgrad is not None else None
-        if size is not None and _behind_transpose(_arguments(wgrad)["b"]) is x:
+        if size is not None and _behind_transpose(bound_arguments(wgrad)["b"]) is x:
             x_amax, x_rht_amax = _insert(gm.graph, fprop, WGRAD_AMAX, (x, size), 2, tags)
             _set(fprop, x_amax=x_amax)
             _set(wgrad, x_amax=x_rht_amax)

@@ -72,19 +72,25 @@ if triton is not None:
         _store_scales(out_scales_ptr, sf, cols[:, None], tiles[None, :], N // 16, tile_ok, SWIZZLE)
 
     @_jit()
+    def _gemm_alpha(amax_a_ptr, amax_b_ptr):
+        """(amax_a * fp32(1/2688)) * (amax_b * fp32(1/2688)): ``formats.gemm_alpha`` (two products, no
+        sum: nothing to contract)."""
+        return (tl.load(amax_a_ptr) * _INV_GLOBAL) * (tl.load(amax_b_ptr) * _INV_GLOBAL)
+
+    @_jit()
     def _alpha_kernel(amax_a_ptr, amax_b_ptr, alpha_ptr, N, BLOCK: tl.constexpr):
-        """alpha_ptr[0:N] = (amax_a * fp32(1/2688)) * (amax_b * fp32(1/2688)): ``formats.gemm_alpha``."""
+        """alpha_ptr[0:N] = ``_gemm_alpha``."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        alpha = (tl.load(amax_a_ptr) * _INV_GLOBAL) * (tl.load(amax_b_ptr) * _INV_GLOBAL)
+        alpha = _gemm_alpha(amax_a_ptr, amax_b_ptr)
         tl.store(alpha_ptr + offs, tl.full((BLOCK,), 0.0, tl.float32) + alpha, mask=offs < N)
 
     @_jit()
     def _epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, out_ptr, N, BLOCK: tl.constexpr):
-        """out = acc * alpha, cast to out's dtype; alpha computed here as ``_alpha_kernel`` does (two
-        products, no sum: nothing to contract), so the GEMM needs no launch of its own for it."""
+        """out = acc * alpha, cast to out's dtype; alpha (``_gemm_alpha``) computed here, so the GEMM
+        needs no launch of its own for it."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
-        alpha = (tl.load(amax_a_ptr) * _INV_GLOBAL) * (tl.load(amax_b_ptr) * _INV_GLOBAL)
+        alpha = _gemm_alpha(amax_a_ptr, amax_b_ptr)
         acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
         out = _round_to(acc * alpha, out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
