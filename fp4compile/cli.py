@@ -3,7 +3,7 @@
     fp4compile inspect MODULE:FACTORY --input-shape 2x32 [--input-dtype long] [--show table|graphs|diff|mlir|dot|pipeline]
                        [--stage dynamo|forward|backward] [--image out.png] [--recipe-option key=value ...]
     fp4compile export MODULE:FACTORY CHECKPOINT OUT --input-shape 2x32 [--input-dtype long] [--scheme NVFP4A16|NVFP4]
-                      [--recipe-option key=value ...]
+                      [--recipe-option key=value ...] [--trust-checkpoint]
     fp4compile pipeline
     fp4compile kernels build|list ...      (where the kernel tooling is installed)
 
@@ -14,7 +14,9 @@ compiler did. ``export`` builds the model the same way, loads CHECKPOINT's weigh
 or a dict holding one under "model"), compiles one forward and backward with the recipe to find its
 precision plan, and writes the NVFP4 checkpoint OUT (``fp4compile.export``, docs/export.md): W4A16 by
 default; W4A4 (``--scheme NVFP4``) with the activation ranges recorded in training, which CHECKPOINT
-holds where it keeps the backend's state under "backend" (``Backend.state_dict()``).
+holds where it keeps the backend's state under "backend" (``Backend.state_dict()``). CHECKPOINT is
+loaded with ``torch.load(weights_only=True)``, which unpickles tensors and plain data only; a file that
+holds anything else is refused unless ``--trust-checkpoint`` (with a warning) loads it in full.
 Errors in ``MODULE:FACTORY`` or the options exit with status 2.
 """
 
@@ -25,6 +27,8 @@ import ast
 import importlib
 import importlib.util
 import os
+import pickle
+import re
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -110,6 +114,11 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--input-high", type=int, metavar="N", help="as for inspect")
     export.add_argument("--recipe-option", action="append", default=[], type=_option, metavar="KEY=VALUE",
                         help="the Recipe fields the model was trained with, e.g. high_precision_last_blocks=2")
+    export.add_argument("--trust-checkpoint", action="store_true",
+                        help="unpickle CHECKPOINT in full, whatever it holds: it can then run any code it carries, "
+                        "so only for a file you made or trust; without it, CHECKPOINT is loaded with "
+                        "torch.load(weights_only=True) (tensors, numbers, strings and containers of them, as "
+                        "examples/train_gpt.py saves) and anything else is refused")
     export.add_argument("--scheme", choices=("NVFP4A16", "NVFP4"), default="NVFP4A16",
                         help="NVFP4A16 (default): FP4 weights; NVFP4: FP4 weights and activations (W4A4), with the "
                         "activation ranges the checkpoint's backend state recorded in training")
@@ -318,7 +327,7 @@ def _export(args) -> int:
     if not args.checkpoint.is_file():
         raise UsageError(f"checkpoint {str(args.checkpoint)!r} not found")
     model = load_factory(args.model)
-    checkpoint = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
+    checkpoint = _load_checkpoint(args.checkpoint, trust=args.trust_checkpoint)
     state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else checkpoint
     if not isinstance(state, dict):
         raise UsageError(f"{args.checkpoint} holds a {type(state).__name__}, not a state dict")
@@ -346,6 +355,26 @@ def _export(args) -> int:
     n = len([s for s in backend.report.sites if s.precision != "high"])
     print(f"wrote {out}: {n} FP4 GEMM sites ({args.scheme})")
     return 0
+
+
+def _load_checkpoint(path: Path, trust: bool = False):
+    """CHECKPOINT's contents. Loaded with ``weights_only=True``: what ``torch.save`` wrote of tensors,
+    numbers, strings, dtypes and dicts, lists and tuples of them (a state dict, an optimizer's, the
+    backend's ``state_dict()``, the records ``examples/train_gpt.py`` keeps) and nothing that unpickling
+    would call; anything else is refused, naming what, unless ``trust`` (``--trust-checkpoint``), which
+    unpickles the file in full after a warning."""
+    if trust:
+        print(f"fp4compile export: warning: --trust-checkpoint: unpickling {path} in full; a checkpoint can run "
+              "any code it carries while it loads, so use this only on a file you made or trust", file=sys.stderr)
+        return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        named = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        raise UsageError(
+            f"{path} holds more than tensors and plain data{' (it names ' + named.group(1) + ')' if named else ''}, "
+            "which is not loaded: unpickling it could run code; pass --trust-checkpoint to load it anyway if you "
+            "made it or trust where it came from") from exc
 
 
 def _pipeline(args) -> int:

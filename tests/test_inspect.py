@@ -434,3 +434,35 @@ def test_inspect_gpt_example_prints_table_and_mlir_excerpt(capsys, tmp_path):
     assert excerpt.count('torch.operator "torch.fp4.rht_quantize"') == 2
     assert excerpt.count("torch.aten.t ") == 2 and excerpt.count('torch.operator "torch.fp4.scaled_mm"') == 1
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+
+
+class _RunsCodeWhenUnpickled:
+    """A pickled callable: unpickling it calls ``os.mkdir(path)``."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        import os
+
+        return (os.mkdir, (self.path,))
+
+
+def test_cli_export_loads_weights_only_and_refuses_a_checkpoint_that_would_run_code(factory_file, tmp_path, capsys):
+    torch._dynamo.reset()
+    spec = f"{factory_file}:build"
+    state = cli.load_factory(spec).state_dict()
+    marker = tmp_path / "ran"
+    torch.save({"model": state, "extra": _RunsCodeWhenUnpickled(marker)}, tmp_path / "evil.pt")
+    argv = [spec, str(tmp_path / "evil.pt"), str(tmp_path / "out"), "--input-shape", "2x16x32"]
+    assert cli.main(["export", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fp4compile export: error: ") and "(it names posix.mkdir)" in err
+    assert "--trust-checkpoint" in err and not marker.exists() and not (tmp_path / "out").exists()
+    # A checkpoint of tensors and plain data (as examples/train_gpt.py saves) loads without the flag.
+    torch.save({"model": state, "step": 3, "record": {"loss": [1.5], "args": {"out": None}}}, tmp_path / "ok.pt")
+    assert cli.main(["export", spec, str(tmp_path / "ok.pt"), str(tmp_path / "ok"), "--input-shape", "2x16x32"]) == 0
+    # The explicit opt-in unpickles everything, after a warning.
+    assert cli.main(["export", *argv, "--trust-checkpoint"]) == 0
+    assert marker.is_dir()
+    assert "warning: --trust-checkpoint: unpickling" in capsys.readouterr().err
