@@ -110,6 +110,10 @@ class Backend:
                 raise TypeError(f"user passes must be callables fn(gm, ctx) -> gm, got {p!r}")
         self.inner = inner
         self.mode = mode
+        try:
+            pipeline.check_pass_selection(print_ir_after, self.passes)
+        except ValueError as err:
+            raise ValueError(f"Backend(print_ir_after={print_ir_after!r}): {err}") from None
         self.print_ir_after = print_ir_after
         self.unused_grad_buffers = unused_grad_buffers
         if model is not None and not isinstance(model, torch.nn.Module):

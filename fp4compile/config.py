@@ -84,6 +84,22 @@ class _Text:
         return value
 
 
+class _PassNames:
+    """"all" or a comma list of pass names (``fp4compile.print_pipeline()`` lists them, and passes made
+    with ``fp4compile.precision_pass``), checked against the passes there are."""
+
+    def parse(self, text: str) -> str:
+        return self.check(text)
+
+    def check(self, value) -> str:
+        if not isinstance(value, str):
+            raise ValueError("expected a string: \"all\" or a comma list of pass names")
+        from fp4compile.passes import pipeline  # imported on first use: it imports every pass
+
+        pipeline.check_pass_selection(value)
+        return value
+
+
 class Setting(NamedTuple):
     variable: str  # the environment variable that sets the field
     kind: Any  # parses the variable's text and checks a value set in code
@@ -91,7 +107,7 @@ class Setting(NamedTuple):
 
 SETTINGS: dict[str, Setting] = {
     "check_finite": Setting("FP4COMPILE_CHECK_FINITE", _Flag()),
-    "print_ir_after": Setting("FP4COMPILE_PRINT_IR_AFTER", _Text()),
+    "print_ir_after": Setting("FP4COMPILE_PRINT_IR_AFTER", _PassNames()),
     "emulated_gemm": Setting("FP4COMPILE_EMULATED_GEMM", _Choice(("auto", "cublaslt", "torch"), "auto, cublaslt or torch")),
     "in_graph_kernels": Setting("FP4COMPILE_IN_GRAPH_KERNELS", _Flag()),
     "kernel_analysis_cache": Setting("FP4COMPILE_KERNEL_ANALYSIS_CACHE", _Flag()),

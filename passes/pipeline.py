@@ -60,6 +60,33 @@ def pass_name(p: Pass) -> str:
     return getattr(p, "pass_name", None) or getattr(p, "__name__", type(p).__name__)
 
 
+# The names of the passes made with ``precision_pass`` so far, which ``print_ir_after`` may name too.
+_PRECISION_PASS_NAMES: set[str] = set()
+
+
+def pass_names(user_passes: Sequence[Pass] = ()) -> list[str]:
+    """Every pass's name in pipeline order (``print_pipeline``'s), ``user_passes`` in their place."""
+    return [pass_name(p) for p in dynamo_pipeline(user_passes) + JOINT_PASSES + AOT_PASSES]
+
+
+def check_pass_selection(selection, user_passes: Sequence[Pass] = ()) -> None:
+    """Raise a ValueError unless every name in ``selection`` (a comma list or a sequence of names, as
+    ``print_ir_after`` takes) is "all", a pass of the pipeline, one of ``user_passes`` or a pass made with
+    ``precision_pass``; the error lists the names there are."""
+    if selection is None:
+        return
+    names = [s.strip() for s in (selection.split(",") if isinstance(selection, str) else selection)]
+    known = ["all", *pass_names(user_passes)]
+    known += sorted(_PRECISION_PASS_NAMES - set(known))
+    unknown = [n for n in names if n and n not in known]
+    if unknown:
+        import difflib
+
+        close = [m for n in unknown for m in difflib.get_close_matches(n, known, n=1)]
+        hint = f" (did you mean {', '.join(repr(m) for m in close)}?)" if close else ""
+        raise ValueError(f"no pass is named {', '.join(repr(n) for n in unknown)}{hint}; the names are: {', '.join(known)}")
+
+
 def precision_pass(fn: Pass = None, *, name: str = None):
     """Decorator marking a user precision pass ``fn(gm, ctx) -> gm`` (optionally naming it).
 
@@ -69,6 +96,7 @@ def precision_pass(fn: Pass = None, *, name: str = None):
 
     def wrap(f):
         f.pass_name = name or f.__name__
+        _PRECISION_PASS_NAMES.add(f.pass_name)
         return f
 
     return wrap(fn) if fn is not None else wrap

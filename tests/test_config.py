@@ -38,6 +38,34 @@ def test_an_invalid_value_names_its_variable(variable, value):
         config.from_environment({variable: value})
 
 
+PASS_LIST = "the names are: all, find_gemm_sites, find_blocks, assign_precision"
+
+
+@pytest.mark.parametrize("value", ["insert_rhtt", "all,lower_gemm", "dynamo"])
+def test_print_ir_after_names_a_pass_there_is(value):
+    """A misspelled pass name is an error naming the variable, with the names there are; as a setting
+    in code, and as Backend's argument (which knows its own passes too)."""
+    from fp4compile import Backend, precision_pass
+
+    with pytest.raises(ValueError, match=f"FP4COMPILE_PRINT_IR_AFTER='{value}': no pass is named .*{PASS_LIST}"):
+        config.from_environment({"FP4COMPILE_PRINT_IR_AFTER": value})
+    with pytest.raises(ValueError, match=f"print_ir_after='{value}': no pass is named .*{PASS_LIST}"), \
+            config.patch(print_ir_after=value):
+        pass
+    with pytest.raises(ValueError, match=rf"Backend\(print_ir_after=\['{value}'\]\): no pass is named"):
+        Backend(inner="eager", print_ir_after=[value])
+    with pytest.raises(ValueError, match="did you mean 'insert_rht'"):
+        Backend(inner="eager", print_ir_after="insert_rhtt")
+
+    def mine(gm, ctx):
+        return gm
+
+    Backend(inner="eager", passes=[mine], print_ir_after=["mine", "insert_rht"])  # a pass of its own
+    named = precision_pass(mine, name="keep_mine_high")
+    with config.patch(print_ir_after="keep_mine_high,all"):
+        Backend(inner="eager", passes=[named])
+
+
 def test_the_environment_is_read_when_fp4compile_is_imported():
     code = "import fp4compile; print(fp4compile.config.emulated_gemm, fp4compile.config.check_finite)"
     env = {"FP4COMPILE_EMULATED_GEMM": "torch", "FP4COMPILE_CHECK_FINITE": "1", "PATH": ""}
