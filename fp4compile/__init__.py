@@ -9,7 +9,7 @@ from .backend import Backend, PlanWarning, get_backend, nvfp4_backend
 from .baseline import Baseline
 from .explain import explain
 from .export import calibrate, export, served
-from .passes.pipeline import precision_pass, print_pipeline
+from .passes.pipeline import pipeline_text, precision_pass, print_pipeline
 from .recipe import Recipe
 from .report import Report
 from .runtime import get_rng_state, manual_seed, set_rng_state
@@ -34,6 +34,7 @@ __all__ = [
     "manual_seed",
     "nvfp4_backend",
     "ops",
+    "pipeline_text",
     "precision_pass",
     "print_pipeline",
     "runtime",

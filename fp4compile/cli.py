@@ -319,7 +319,7 @@ def _show(report, args) -> None:
     elif args.show == "dot":
         print(report.to_dot(args.stage or "backward", compact=not args.full), end="")
     else:
-        print(fp4compile.print_pipeline())
+        fp4compile.print_pipeline()
 
 
 def _export(args) -> int:
@@ -378,7 +378,7 @@ def _load_checkpoint(path: Path, trust: bool = False):
 
 
 def _pipeline(args) -> int:
-    print(fp4compile.print_pipeline())
+    fp4compile.print_pipeline()
     return 0
 
 

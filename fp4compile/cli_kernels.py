@@ -47,7 +47,7 @@ def add_subparser(subparsers) -> argparse.ArgumentParser:
     actions = parser.add_subparsers(dest="kernels_command", metavar="{build,list}")
     actions.required = True
 
-    build = actions.add_parser("build", help="build the kernels GEMM shapes or a model select (ahead of time)")
+    build = actions.add_parser("build", help="build ahead of time the kernels of the given GEMM shapes, or of a model's FP4 GEMMs")
     build.add_argument("--arch", default="sm_100a", choices=SUPPORTED_ARCHS, help="target architecture")
     build.add_argument(
         "--shape", "--shapes", dest="shapes", action="extend", type=_shapes, default=[], metavar="MxNxK[,...]",

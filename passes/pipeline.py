@@ -12,7 +12,7 @@ backward graph (they see the three role-tagged GEMMs of every FP4 linear).
                       -> lower_gemms -> fuse_amax -> record_ranges -> lower_kernels
 
 Every pass is ``fn(gm, ctx) -> gm`` in its own module, with a docstring saying what it requires and
-guarantees. ``print_pipeline()`` prints this list; ``fp4compile.config.print_ir_after`` (``FP4COMPILE_PRINT_IR_AFTER``:
+guarantees. ``print_pipeline()`` prints this list (``pipeline_text()`` returns it); ``fp4compile.config.print_ir_after`` (``FP4COMPILE_PRINT_IR_AFTER``:
 "all" or a comma list of pass names) prints the graph after those passes while compiling.
 """
 
@@ -65,7 +65,7 @@ _PRECISION_PASS_NAMES: set[str] = set()
 
 
 def pass_names(user_passes: Sequence[Pass] = ()) -> list[str]:
-    """Every pass's name in pipeline order (``print_pipeline``'s), ``user_passes`` in their place."""
+    """Every pass's name in pipeline order (``pipeline_text``'s), ``user_passes`` in their place."""
     return [pass_name(p) for p in dynamo_pipeline(user_passes) + JOINT_PASSES + AOT_PASSES]
 
 
@@ -115,7 +115,12 @@ def _summary(p: Pass) -> str:
     return first.split(": ", 1)[1] if first.startswith(pass_name(p) + ":") else first
 
 
-def print_pipeline(user_passes: Sequence[Pass] = ()) -> str:
+def print_pipeline(user_passes: Sequence[Pass] = (), file=None) -> None:
+    """Print the pipeline (``pipeline_text``) to ``file`` (standard output by default)."""
+    print(pipeline_text(user_passes), file=file)
+
+
+def pipeline_text(user_passes: Sequence[Pass] = ()) -> str:
     """The pipeline as text: stage, pass name and the first line of its docstring."""
     lines = ["dynamo graph:"]
     for p in dynamo_pipeline(user_passes):

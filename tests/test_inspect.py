@@ -393,7 +393,23 @@ def test_cli_in_a_subprocess(factory_file):
 
 def test_cli_pipeline(capsys):
     assert cli.main(["pipeline"]) == 0
-    assert capsys.readouterr().out.strip() == fp4compile.print_pipeline()
+    out = capsys.readouterr().out
+    assert out.strip() == fp4compile.pipeline_text() and out.startswith("dynamo graph:\n  find_gemm_sites")
+
+
+def test_cli_kernels_help_reads_as_a_sentence(capsys):
+    pytest.importorskip("fp4compile.cli_kernels")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["kernels", "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "build build ahead of time the kernels of the given GEMM shapes, or of a model's FP4 GEMMs" in out
+    assert "list list the kernel cache entries" in out
+
+
+def test_print_pipeline_prints_and_pipeline_text_returns(capsys):
+    assert fp4compile.print_pipeline() is None
+    assert capsys.readouterr().out == fp4compile.pipeline_text() + "\n"
 
 
 @pytest.mark.parametrize(
