@@ -1,8 +1,9 @@
 """See what fp4compile does to a small GPT: the precision table, the backward graph as a picture, MLIR.
 
     python examples/inspect_gpt.py                      # prints the table and an MLIR excerpt,
-                                                        # writes docs/images/gpt_backward.png
+                                                        # writes gpt_backward.png in the current directory
     python examples/inspect_gpt.py --image out.png --mlir out.mlir
+    python examples/inspect_gpt.py --image docs/images/gpt_backward.png   # the picture docs/inspect.md shows
 
 The same model from the command line (``gpt`` below is the factory):
 
@@ -60,7 +61,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--image", type=Path, default=ROOT / "docs" / "images" / "gpt_backward.png")
+    p.add_argument("--image", type=Path, default=Path("gpt_backward.png"),
+                   help="where to write the picture of the backward graph (default: gpt_backward.png here)")
     p.add_argument("--mlir", type=Path, help="also write the whole backward graph as MLIR to this file")
     args = p.parse_args(argv)
 

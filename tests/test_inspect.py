@@ -436,14 +436,19 @@ def test_cli_bad_recipe_option(factory_file, capsys):
     assert "unknown nvfp4 backend options ['rhtt']" in capsys.readouterr().err
 
 
-def test_inspect_gpt_example_prints_table_and_mlir_excerpt(capsys, tmp_path):
+def test_inspect_gpt_example_prints_table_and_mlir_excerpt(capsys, tmp_path, monkeypatch):
     import importlib.util
 
     torch._dynamo.reset()
     spec = importlib.util.spec_from_file_location("inspect_gpt", TESTS.parent / "examples" / "inspect_gpt.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    example.main(["--image", str(tmp_path / "g.png"), "--seq-len", "32"])
+    tracked = TESTS.parent / "docs" / "images" / "gpt_backward.png"
+    before = tracked.stat().st_mtime_ns
+    monkeypatch.chdir(tmp_path)
+    example.main(["--seq-len", "32"])  # no --image: the picture goes to the working directory
+    assert tracked.stat().st_mtime_ns == before
+    (tmp_path / "gpt_backward.png").rename(tmp_path / "g.png")
     out = capsys.readouterr().out
     assert "17 GEMM sites in 4 blocks; nvfp4: 24 GEMMs" in out
     excerpt = out[out.index("func.func @graph0_backward"):]
