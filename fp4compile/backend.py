@@ -33,7 +33,7 @@ from fp4compile.model_structure import ModelStructure, find_root
 from fp4compile.operand_dtypes import check_gemm_dtypes
 from fp4compile.passes.find_gemm_sites import module_path, parameter_name, regions
 from fp4compile.passes.assign_precision import SWITCHED
-from fp4compile.passes.find_blocks import block_paths
+from fp4compile.passes.find_blocks import block_paths, model_positions
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.report import Report
 from fp4compile.sites import CompileContext, clone_dynamo_module
@@ -72,6 +72,11 @@ class Backend:
     blocks. Compiling the whole model (``torch.compile(model)``, ``model.compile()``) needs nothing here,
     and a block compiled on its own is placed in the module whose ``forward`` calls it; without either,
     a compiled module with no repeated blocks of its own gets a warning saying so.
+    total_blocks: how many blocks the whole model has, where the compiled model holds part of them (a
+    pipeline stage keeps the layer keys of the whole model: ``layers.4`` ... ``layers.7`` of 8): its blocks
+    are placed by their keys among that many, so the recipe's first and last blocks are the whole
+    model's. Without it, blocks keyed from a number other than 0 are planned as blocks of a model of
+    (largest key + 1) blocks, with a warning.
     The backend keeps a ``report`` of its compilations (sites, precisions, kernels, graphs), and in
     ``ranges`` the activation amaxes its training forwards recorded (``fp4compile.ranges``).
     ``fp4compile.config.check_finite`` (``FP4COMPILE_CHECK_FINITE=1``), as it is when the backend is made,
@@ -87,6 +92,7 @@ class Backend:
         mode: Optional[str] = None,
         unused_grad_buffers: Optional[bool] = None,
         model: Optional[torch.nn.Module] = None,
+        total_blocks: Optional[int] = None,
         **recipe_fields,
     ):
         if inner not in INNER_COMPILERS:
@@ -119,6 +125,13 @@ class Backend:
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"Backend(model=...) takes the root nn.Module, got {type(model).__name__}")
         self.model = model
+        if total_blocks is not None and (not isinstance(total_blocks, int) or total_blocks < 1):
+            raise ValueError(f"Backend(total_blocks=...) takes the whole model's number of blocks, got {total_blocks!r}")
+        self.total_blocks = total_blocks
+        if model is not None:
+            # Where no graph ever reaches the backend (every block's GEMMs run outside dynamo's graphs),
+            # the end of the model's first forward is where that can be said.
+            model.register_forward_hook(_CoverageHook(self))
         self._structures: dict[int, ModelStructure] = {}  # id(module) -> its structure (weakly held)
         self._roots: dict[int, ModelStructure] = {}  # those of the root models of compiled graphs
         self._warned: set[str] = set()
@@ -206,8 +219,9 @@ class Backend:
         seen = {s.name.split("#", 1)[0] for s in self.report.sites}
         for structure in self._roots.values():
             blocks = _blocks(structure)
-            first, last = self.recipe.high_precision_block_counts(len(blocks))
-            middle = blocks[first: len(blocks) - last]
+            placed = model_positions(blocks, self.total_blocks)
+            first, last = self.recipe.high_precision_block_counts(placed.n_blocks)
+            middle = [b for b in blocks if first <= placed.positions[b] < placed.n_blocks - last]
             missing = [w for w in structure.gemm_weights
                        if w not in seen and any(w.startswith(b + ".") for b in middle)]
             if missing:
@@ -253,7 +267,8 @@ class Backend:
                 "torch.compile's mode/options would change an fp4compile.Backend that has already compiled "
                 "graphs with other settings; give that compilation a Backend of its own"
             )
-        for name in ("recipe", "passes", "inner", "mode", "print_ir_after", "unused_grad_buffers", "inductor_config"):
+        for name in ("recipe", "passes", "inner", "mode", "print_ir_after", "unused_grad_buffers", "inductor_config",
+                     "total_blocks"):
             setattr(self, name, getattr(wanted, name))
         self.report = Report(self.recipe)
 
@@ -314,6 +329,7 @@ class Backend:
         recipe = self._effective_recipe(config)
         ctx = CompileContext(recipe, graph_id, model, parameter_names)
         ctx.inner = self.inner
+        ctx.total_blocks = self.total_blocks
         if recipe.amax_history and torch.is_grad_enabled():  # training graphs record activation ranges
             ctx.ranges = self.ranges
         if high_precision:
@@ -384,6 +400,33 @@ class Backend:
         """The recipe as this backend compiles with it, its automatic choices made (``decoded_operands``
         True or False, by whether the graphs are recorded in CUDA graphs): what a run should record."""
         return self._effective_recipe(self._inductor_config(0, quiet=True))
+
+
+class _CoverageHook:
+    """A forward hook on ``Backend(model=...)``'s model: after its first forward with gradients enabled,
+    the backend checks that the GEMMs of the model's middle blocks ran in its graphs
+    (``Backend._check_coverage``). A copy or a pickle of the model carries a hook that does nothing:
+    the backend belongs to the model it was given."""
+
+    def __init__(self, backend: "Backend"):
+        self.backend = weakref.ref(backend)
+
+    def __call__(self, module, args, output) -> None:
+        backend = self.backend()
+        if backend is None or backend._checked_coverage or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return
+        if backend.model is module:
+            backend._roots.setdefault(id(module), backend._structure_of(module))
+            backend._checked_coverage = True
+            backend._check_coverage()
+
+    def __reduce__(self):
+        return (_NoCoverageHook, ())
+
+
+class _NoCoverageHook:
+    def __call__(self, module, args, output) -> None:
+        return None
 
 
 def _blocks(structure: ModelStructure) -> list[str]:
@@ -659,7 +702,8 @@ def get_backend(options: Optional[dict] = None, mode: Optional[str] = None) -> B
 
 
 # Backend settings that torch.compile's options may hold besides Recipe fields, with Backend's defaults.
-_SETTING_DEFAULTS = {"inner": "inductor", "passes": (), "print_ir_after": None, "unused_grad_buffers": None, "mode": None}
+_SETTING_DEFAULTS = {"inner": "inductor", "passes": (), "print_ir_after": None, "unused_grad_buffers": None, "mode": None,
+                     "total_blocks": None}
 
 
 def _split_options(options: Optional[dict]) -> tuple[dict, dict]:

@@ -24,6 +24,20 @@ import torch
 _LOOKUP_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 
+# Modules that wrap one module without being a level of the model: ``torch.compile``'s ``OptimizedModule``,
+# the activation-checkpoint and offload wrappers of ``torch.distributed`` (torchtitan's ``apply_ac``) and
+# FSDP1's wrapper. Their child's path component is dropped, so that a site is named as in the plain
+# model (and as the wrapper's ``state_dict`` names its weight) however the model is wrapped.
+WRAPPER_ATTRIBUTES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def without_wrappers(path: str) -> str:
+    """``layers.3._checkpoint_wrapped_module.mlp.fc`` -> ``layers.3.mlp.fc``."""
+    if not any(w in path for w in WRAPPER_ATTRIBUTES):
+        return path
+    return ".".join(p for p in path.split(".") if p not in WRAPPER_ATTRIBUTES)
+
+
 def site_name(parameter_name: str) -> str:
     """A GEMM site's name from its weight's qualified name: ``layers.3.attn.wq.weight`` -> ``layers.3.attn.wq``
     (other parameter names, such as ``attn.in_proj_weight``, stay whole)."""
@@ -53,11 +67,16 @@ class ModelStructure:
 
         self.names, self.classes, self.gemm_weights = {}, {}, []
         for path, module in root.named_modules(remove_duplicate=False):
-            # A block compiled on its own sits in the model as a compiled module around it: not a level.
-            path = ".".join(p for p in path.split(".") if p != "_orig_mod")
+            # A block compiled on its own, or checkpoint-wrapped, sits in the model as a wrapper around
+            # it: not a level (the wrapped module's class is the one at its path).
+            wrapped = path.rsplit(".", 1)[-1] in WRAPPER_ATTRIBUTES
+            path = without_wrappers(path)
             if isinstance(module, OptimizedModule):
                 continue
-            self.classes.setdefault(path, type(module).__name__)
+            if wrapped:
+                self.classes[path] = type(module).__name__
+            else:
+                self.classes.setdefault(path, type(module).__name__)
             for name, p in module.named_parameters(recurse=False):
                 full = f"{path}.{name}" if path else name
                 self.names.setdefault(id(p), []).append(full)

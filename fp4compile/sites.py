@@ -244,8 +244,9 @@ class CompileContext:
         # Calls the passes cannot see into (``find_gemm_sites``): (node name, what, module path).
         self.opaque: list[tuple] = []
         self.sites: list[GemmSite] = []
-        self.n_blocks = 0
+        self.n_blocks = 0  # the whole model's blocks (``find_blocks``), also where the graph holds some
         self.block_names: list[str] = []
+        self.total_blocks: Optional[int] = None  # the whole model's number of blocks, where stated
         self.graphs: list[StageGraph] = []
         self.final_graphs: dict[str, torch.fx.Graph] = {}  # stage -> graph after the latest pass
         self.fallbacks: list[str] = []

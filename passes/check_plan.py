@@ -24,7 +24,7 @@ from .keep_routers_high import ROUTER, SHARED_GATE
 
 
 def check_plan(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    warnings = ctx.warnings = []
+    warnings = ctx.warnings  # with what earlier passes found (find_blocks)
     opaque: dict[str, list[str]] = {}
     for _, what, module in ctx.opaque:
         opaque.setdefault(what, []).append(module or "the top level")

@@ -30,6 +30,7 @@ block B when a GEMM of B reads a value computed from a GEMM of A.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Callable, Optional
 
@@ -125,6 +126,59 @@ def block_paths(
         return sorted(out, key=_natural_key)
 
 
+@dataclasses.dataclass
+class Placement:
+    """Where blocks stand in the whole model: ``positions[block]`` and the whole model's ``n_blocks``;
+    ``warning`` where the whole model's size had to be guessed."""
+
+    positions: dict[str, int]
+    n_blocks: int
+    warning: Optional[str] = None
+
+
+def model_positions(blocks: list[str], total_blocks: Optional[int] = None) -> Placement:
+    """The positions of ``blocks`` (in execution order) among the whole model's blocks.
+
+    A model that holds part of the blocks (a pipeline stage keeps the layer keys of the whole model:
+    ``layers.4`` ... ``layers.7`` of 8) places its blocks by their keys, where they are the numbered
+    members of one list; ``total_blocks`` (``Backend(total_blocks=...)``) states how many blocks the
+    whole model has. Keys that do not start at 0 with no total stated place the blocks by their keys
+    in a model of (largest key + 1) blocks, with a warning saying so. Otherwise the blocks are the
+    whole model's, numbered in execution order.
+    """
+    in_order = {b: i for i, b in enumerate(blocks)}
+    parents = {b.rpartition(".")[0] for b in blocks}
+    keys = [b.rpartition(".")[2] for b in blocks]
+    if total_blocks is not None and total_blocks < 1:
+        raise ValueError(f"Backend(total_blocks={total_blocks}): the whole model's number of blocks must be positive")
+    if not blocks or len(parents) != 1 or not all(k.isdigit() for k in keys):
+        if total_blocks is not None and total_blocks != len(blocks):
+            return Placement(in_order, len(blocks), (
+                f"Backend(total_blocks={total_blocks}) cannot place the {len(blocks)} blocks found "
+                f"({', '.join(blocks[:3])}{', ...' if len(blocks) > 3 else ''}): they are not the members of one "
+                "list keyed by layer number, so they are numbered as the whole model's blocks"
+            ))
+        return Placement(in_order, len(blocks))
+    numbers = {b: int(k) for b, k in zip(blocks, keys)}
+    if total_blocks is not None:
+        if max(numbers.values()) >= total_blocks:
+            raise ValueError(
+                f"Backend(total_blocks={total_blocks}) is smaller than the model's block keys: "
+                f"{max(numbers, key=numbers.get)} is block {max(numbers.values())}"
+            )
+        return Placement(numbers, total_blocks)
+    if sorted(numbers.values()) == list(range(len(blocks))):
+        return Placement(in_order, len(blocks))
+    guessed = max(numbers.values()) + 1
+    parent = parents.pop()
+    return Placement(numbers, guessed, (
+        f"the blocks of this model are {parent}.{min(numbers.values())} ... {parent}.{max(numbers.values())}, "
+        f"part of a larger model (a pipeline stage): they are planned as blocks of a model of {guessed} "
+        "blocks, so the recipe's last blocks may be in another stage; state the whole model's number of "
+        "blocks with fp4compile.Backend(total_blocks=...)"
+    ))
+
+
 class SiteDataFlow:
     """Which GEMM sites of a graph read values computed by which others.
 
@@ -215,11 +269,14 @@ def find_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 return b
         return None
 
-    index = {b: i for i, b in enumerate(ordered)}
+    placed = model_positions(ordered, ctx.total_blocks)
+    if placed.warning:
+        ctx.warnings.append(("block positions", placed.warning))
+    ordered = sorted(ordered, key=placed.positions.__getitem__)
     for site in ctx.sites:
         b = owner(_path(site))
-        site.block, site.block_name = (index[b], b) if b is not None else (None, None)
-    ctx.n_blocks = len(ordered)
+        site.block, site.block_name = (placed.positions[b], b) if b is not None else (None, None)
+    ctx.n_blocks = placed.n_blocks
     ctx.block_names = ordered
     ctx.note(f"graph {ctx.graph_id}: {ctx.n_blocks} blocks ({', '.join(ordered[:3])}{', ...' if len(ordered) > 3 else ''})")
     return gm

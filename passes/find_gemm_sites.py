@@ -55,7 +55,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fp4compile.model_structure import site_name
+from fp4compile.model_structure import site_name, without_wrappers
 from fp4compile.sites import CompileContext, GemmSite, RoleInfo, example_tensor
 
 from . import grouped_sites
@@ -84,7 +84,12 @@ _PARAMETER_VIEW_FUNCTIONS = (torch.t, torch.transpose, torch.permute)
 _PARAMETER_VIEW_ATTRIBUTES = ("T", "mT")
 
 _LOCAL_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\[[^\]]*\])*")
-_MODULES = re.compile(r"\._modules\['([^']*)'\]|\._parameters\['([^']*)'\]|\[(\d+)\]|\['([^']*)'\]")
+# ``._modules['x']``, ``._parameters['w']``, and the same through ``.__dict__`` (how dynamo reaches the
+# module inside a wrapper whose ``__getattr__`` it does not trace, such as the checkpoint wrapper).
+_MODULES = re.compile(
+    r"(?:\.__dict__\['_modules'\]|\._modules)\['([^']*)'\]|(?:\.__dict__\['_parameters'\]|\._parameters)\['([^']*)'\]"
+    r"|\[(\d+)\]|\['([^']*)'\]"
+)
 
 
 @dataclasses.dataclass
@@ -133,7 +138,7 @@ def module_path(qualified: str, root: Optional[str] = None) -> str:
     else:
         path = re.sub(r"^[LG]\['[^']*'\]", "", qualified)
     path = _MODULES.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
-    return path.strip(".")
+    return without_wrappers(path.strip("."))
 
 
 def _source_name(grapharg) -> str:

@@ -82,6 +82,14 @@ def _given_x_amax(info, i: int, x_amax, group) -> Optional[fx.Node]:
     return None
 
 
+# A checkpointed fprop GEMM's activation amax history, named by its graph input (``plan_sharing``).
+HISTORY_INPUT = "fp4_amax_history_input"
+
+
+def _graph_input(gm: fx.GraphModule, name: str) -> Optional[fx.Node]:
+    return next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name), None)
+
+
 def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inserted = 0
     recipe = ctx.recipe
@@ -93,6 +101,8 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         shared = [x for x in node.args[5:8] if x is not None]
         x_amax = node.args[8] if len(node.args) > 8 else None
         x_history = node.args[9] if len(node.args) > 9 and info.role == "fprop" else None
+        if x_history is None and info.role == "fprop" and HISTORY_INPUT in node.meta:
+            x_history = _graph_input(gm, node.meta[HISTORY_INPUT])  # in the forward; not in a recomputation
         new_args = list(node.args[:5])
         activation = site.kind == "activation_matmul"
         for i in (0, 1):

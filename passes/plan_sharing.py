@@ -16,6 +16,9 @@ Guarantees:
   its token count is static and a multiple of the RHT size, and the graph holds the site's fprop and
   wgrad: one ``fp4.wgrad_amax(X, rht_size)`` before fprop, max |X| given to fprop and max |RHT(X^T)|
   to wgrad as their ``x_amax``.
+- **No history in the backward**: a fprop GEMM in an activation-checkpointed region gives up its
+  activation amax history argument, named instead by its graph input in ``meta["fp4_amax_history_input"]``,
+  so that the recomputation in the backward does not need it (only the forward records into it).
 
 The partitioner then decides where these nodes run as it does for any other: the forward computes
 them, and the backward reads what the forward kept (the packed weight, a one-element amax), or, in an
@@ -39,7 +42,7 @@ from fp4compile import distributed, executors, scale_layout
 from fp4compile.sites import CompileContext, bound_arguments, call_unpacked, example_tensor
 
 from . import fuse_amax
-from .insert_quantize import operand_seed_and_label
+from .insert_quantize import HISTORY_INPUT, operand_seed_and_label
 from .plan_gemm_roles import gemm_nodes
 
 QUANTIZE = torch.ops.fp4.quantize.default
@@ -119,6 +122,13 @@ def plan_sharing(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         x, weight, tags = args["a"], args["b"], {k: fprop.meta[k] for k in _TAGS if k in fprop.meta}
         if "recompute" in fprop.meta:  # in a checkpointed region: recomputed where the partitioner prefers
             tags["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+        history = args.get("x_history")
+        if "recompute" in fprop.meta and history is not None and history.op == "placeholder":
+            # A recomputed GEMM would need the history in the backward: the partitioner would keep it
+            # for the backward, and autograd would refuse a backward after the history is written again
+            # (a block called twice, the next micro-batch). Only the forward records into it.
+            _set(fprop, x_history=None)
+            fprop.meta[HISTORY_INPUT] = history.name
         dgrad, wgrad = roles.get("dgrad"), roles.get("wgrad")
         if dgrad is not None and _shares_weight(ctx, site) and _behind_transpose(bound_arguments(dgrad)["b"]) is weight:
             seed, label, _ = operand_seed_and_label(ctx.recipe, site, "fprop", 1)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts, CheckpointPolicy
 
 import fp4compile
@@ -109,11 +110,20 @@ class Wrapper(nn.Module):
 def compiled(style):
     """(model, what to call, backend) for ``style``."""
     torch.manual_seed(0)
-    model = Model(style)
+    model = Model("checkpoint" if style == "checkpoint_per_block" else style)
     backend = Backend(inner="eager", model=model if style == "per_block" else None)
     if style in ("per_block", "per_block_no_root"):
         for name, block in model.layers.items():
             model.layers[name] = torch.compile(block, backend=backend)
+        return model, model, backend
+    if style in ("checkpoint_wrapper_per_block", "checkpoint_per_block"):
+        # torchtitan's order: the activation-checkpoint wrapper on each block, then each block compiled
+        # in place; or blocks that checkpoint their own body, compiled one by one.
+        backend = Backend(inner="eager", model=model)
+        for name, block in model.layers.items():
+            if style == "checkpoint_wrapper_per_block":
+                model.layers[name] = block = checkpoint_wrapper(block)
+            block.compile(backend=backend)
         return model, model, backend
     if style == "model_compile":
         model.compile(backend=backend)
@@ -131,7 +141,8 @@ def run(style):
     idx = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     logits = call(idx)
     F.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
-    grads = {n.replace("._orig_mod", ""): p.grad for n, p in model.named_parameters()}
+    grads = {n.replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""): p.grad
+             for n, p in model.named_parameters()}
     plan = {s.name: (s.block, s.precision, s.reason) for s in backend.report.sites}
     return plan, logits.detach(), grads, backend
 
@@ -155,14 +166,16 @@ def test_the_plan_of_the_reference_style():
 STYLES = [
     "functional", "functional_in_submodule", "matmul", "checkpoint", "checkpoint_reentrant",
     "selective_checkpoint", "per_block", "per_block_no_root", "model_compile", "graph_break", "inside_a_wrapper",
+    "checkpoint_wrapper_per_block", "checkpoint_per_block",
 ]
+PER_BLOCK = ("per_block", "per_block_no_root", "graph_break", "checkpoint_wrapper_per_block", "checkpoint_per_block")
 
 
 @pytest.mark.parametrize("style", STYLES)
 def test_every_style_gives_the_same_plan_values_and_gradients(style):
     plan, logits, grads, backend = run(style)
     ref_plan, ref_logits, ref_grads, _ = reference()
-    if style in ("per_block", "per_block_no_root", "graph_break"):
+    if style in PER_BLOCK:
         # The output layer runs outside the compiled blocks, in eager PyTorch.
         ref_plan = {k: v for k, v in ref_plan.items() if k != "output"}
     assert plan == ref_plan
@@ -172,7 +185,7 @@ def test_every_style_gives_the_same_plan_values_and_gradients(style):
     for name in grads:
         # Where the embedding runs outside the compiled graphs, eager PyTorch sums its gradient in
         # another order; every other gradient is the same to the bit.
-        exact = name.startswith("layers.") or style not in ("per_block", "per_block_no_root", "graph_break")
+        exact = name.startswith("layers.") or style not in PER_BLOCK
         tol = 0 if exact else 1e-6
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=tol, atol=tol, msg=name)
 
