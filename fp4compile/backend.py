@@ -136,6 +136,9 @@ class Backend:
         self._roots: dict[int, ModelStructure] = {}  # those of the root models of compiled graphs
         self._warned: set[str] = set()
         self._round: set = set()  # graphs run since the SR stream last advanced (``_advance_for``)
+        # The pass over the graphs that ``_round`` holds is over once the backward of its first graph ran
+        # (``_end_pass_after_backward``) or the SR stream was set since it began (``runtime.resets``).
+        self._passes, self._passes_ended, self._pass_resets = 0, 0, runtime.resets()
         self._checked_coverage = False
         self._called: set = set()  # graphs called with gradients enabled (``_check_coverage`` after one pass)
         self.report = Report(self.recipe)
@@ -193,25 +196,51 @@ class Backend:
         runtime.set_rng_state(state["sr"])
         self.ranges.load_state_dict(state.get("activation_ranges"))
 
-    def _advance_for(self, graph, quantizes: Optional[bool] = True, device=None) -> None:
+    def _advance_for(self, graph, quantizes: Optional[bool] = True, device=None) -> bool:
         """Advance the stochastic-rounding stream once per pass over the model's compiled graphs with FP4
         GEMMs (``quantizes``: True; False for a graph whose GEMM sites are all high, which only marks the
         first pass's end; None for a graph without GEMM sites): when such a graph runs again (the next
         step, or the next micro-batch), not at each graph of one pass; ``device``: whose torch generator
         the new base is drawn from (``runtime.advance``). So a
         model compiled whole, block by block or split by graph breaks draws the same bits (every site's
-        quantizers mix in a constant of their own), and each pass draws fresh ones."""
+        quantizers mix in a constant of their own), and each pass draws fresh ones.
+
+        A graph that has not run in this pass starts the next one where this pass is over: the backward
+        of its first graph ran, or the stream was set since (``fp4compile.manual_seed``,
+        ``load_state_dict``). So the first step of another run with this backend (a new model, or the
+        graphs recompiled after ``torch._dynamo.reset()``) draws from torch's generator as it is seeded
+        then, as a fresh backend does. Returns whether a pass began."""
         if quantizes is not None and graph in self._called and not self._checked_coverage:  # a second pass
             self._checked_coverage = True
             self._check_coverage()
         if quantizes is not None:
             self._called.add(graph)
         if not quantizes:
-            return
-        if not self._round or graph in self._round:
+            return False
+        over = self._passes_ended == self._passes or self._pass_resets != runtime.resets()
+        begins = not self._round or graph in self._round or over
+        if begins:
             runtime.advance(device or torch.device("cpu"), counted=self.recipe.seed is not None)
             self._round = set()
+            self._passes += 1
+            self._pass_resets = runtime.resets()
         self._round.add(graph)
+        return begins
+
+    def _end_pass_after_backward(self, outputs) -> None:
+        """End the current pass when the backward reaches ``outputs`` (those of its first graph): autograd
+        runs the hook before that graph's backward."""
+        number, backend = self._passes, weakref.ref(self)
+
+        def ended(grad_outputs) -> None:
+            this = backend()
+            if this is not None:
+                this._passes_ended = max(this._passes_ended, number)
+
+        nodes = {id(t.grad_fn): t.grad_fn for t in (outputs if isinstance(outputs, (list, tuple)) else (outputs,))
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        for node in nodes.values():
+            node.register_prehook(ended)
 
     def _check_coverage(self) -> None:
         """After the first pass over the model: warn about GEMM weights of its middle blocks that no compiled
@@ -563,6 +592,8 @@ class _SwitchableGraph:
             runtime.device_base(device)
         # Whose torch generator stochastic rounding draws from, as dropout in this graph would.
         self.device = min(gpus, key=str) if gpus else torch.device("cpu")
+        # A model built on the meta device computes no values: its passes draw no SR bits.
+        self.on_meta = any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in example_inputs)
         self.compiled: dict = {}
         self.graph_ids: dict[str, int] = {}  # one graph id per block instance; recompiles keep it
         # Whether each instance quantizes anything: graphs without FP4 GEMMs draw no SR bits and do not
@@ -594,10 +625,14 @@ class _SwitchableGraph:
 
     def __call__(self, *args):
         prefix = self.scope.prefix_of(args) if self.scope is not None else ""
-        if torch.is_grad_enabled():
-            self.backend._advance_for((id(self), prefix), self.rounds.get(prefix, True), self.device)
+        begins = False
+        if torch.is_grad_enabled() and not self.on_meta:
+            begins = self.backend._advance_for((id(self), prefix), self.rounds.get(prefix, True), self.device)
         runtime.set_backend_step(self.backend._step)
-        return self._compiled(prefix, self.backend.high_precision, args)(*args)
+        outputs = self._compiled(prefix, self.backend.high_precision, args)(*args)
+        if begins:
+            self.backend._end_pass_after_backward(outputs)
+        return outputs
 
 
 class _ModelScope:

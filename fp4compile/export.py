@@ -34,6 +34,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from . import formats
+from .ops import autocast_dtype
 from .model_structure import site_name
 
 __all__ = [
@@ -415,8 +416,9 @@ def calibrate(model: torch.nn.Module, batches: Iterable, backend, forward=None) 
     def record(name):
         def hook(module, args):
             x = args[0]
-            if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
-                x = x.to(torch.get_autocast_dtype(x.device.type))
+            dtype = autocast_dtype(x.device.type)
+            if dtype is not None and x.is_floating_point():
+                x = x.to(dtype)
             value = x.detach().abs().amax().float() if x.numel() else torch.zeros(())
             # One running max per site, on the device: no host sync per batch.
             amax[name] = torch.maximum(amax[name], value) if name in amax else value

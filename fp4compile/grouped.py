@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import formats, runtime
+from .ops import autocast_dtype
 
 BLOCK = 16  # NVFP4 block (and tile) size; also the RHT size and each expert's token padding for wgrad
 
@@ -283,8 +284,7 @@ class GroupedLinear(torch.autograd.Function):
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    return autocast_dtype(x.device.type) or x.dtype
 
 
 def site_plan(recipe, site: str, experts: int, kernels: Sequence[str] = (EMULATION,) * 3) -> tuple:
@@ -300,7 +300,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: tuple) ->
     """Y [S, N] = X_e W_e^T for x [S, K] sorted by expert, w [E, N, K], cumulative ``offs`` [E], in the
     compute dtype (autocast's, else x's); ``plan`` from ``site_plan``."""
     dtype = _compute_dtype(x)
-    if x.dtype != dtype and torch.is_autocast_enabled(x.device.type):
+    if x.dtype != dtype:  # autocast's dtype
         x = x.to(dtype)
     return GroupedLinear.apply(x, w, offs, plan, dtype)
 

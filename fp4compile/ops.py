@@ -437,11 +437,16 @@ def _(a, a_amax, b, b_amax, fmt, out_dtype):
 # ---------------------------------------------------------------------------------------------
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+def autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    """The dtype autocast computes in on ``device_type``; None where autocast is off there, or where the
+    device has no autocast (a model built on the meta device is traced with meta tensors)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
-    return x.dtype
+    return None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return autocast_dtype(x.device.type) or x.dtype
 
 
 def _autocast_input(x: torch.Tensor) -> torch.Tensor:
@@ -449,11 +454,9 @@ def _autocast_input(x: torch.Tensor) -> torch.Tensor:
     ``F.linear``'s inputs (floating point, not float64): it is quantized from, and saved for the
     backward in, the precision the BF16 model would use (LayerNorm outputs arrive in float32 under
     autocast). Weights are quantized from the parameters as stored."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type) and x.is_floating_point() and x.dtype != torch.float64:
-        dtype = torch.get_autocast_dtype(device_type)
-        if x.dtype != dtype:
-            return x.to(dtype)
+    dtype = autocast_dtype(x.device.type)
+    if dtype is not None and x.is_floating_point() and x.dtype not in (torch.float64, dtype):
+        return x.to(dtype)
     return x
 
 

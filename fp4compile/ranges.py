@@ -37,6 +37,14 @@ def _(history, amax):
     return None
 
 
+def _values(history: torch.Tensor) -> torch.Tensor:
+    """A history's entries on the CPU. One made for a model traced on the meta device holds no values:
+    nothing recorded (-inf)."""
+    if history.is_meta:
+        return torch.full(history.shape, -math.inf, dtype=torch.float32)
+    return history.detach().cpu()
+
+
 class ActivationRanges:
     """The amax histories of a backend's FP4 sites, {site name: float32 [H] tensor}.
 
@@ -59,6 +67,8 @@ class ActivationRanges:
         if current is not None and current.device == device and current.numel() == length:
             return current
         before = current if current is not None else self._loaded.pop(name, None)
+        if before is not None and before.is_meta:  # traced on the meta device: nothing was recorded
+            before = None
         # A normal tensor even under inference_mode: it is written in place on every training step.
         with torch.inference_mode(False):
             tensor = torch.full((length,), -math.inf, dtype=torch.float32, device=device)
@@ -73,7 +83,7 @@ class ActivationRanges:
         window of every GEMM site of the layer; layers with nothing recorded are left out."""
         out: dict[str, torch.Tensor] = {}
         for name, history in {**self._loaded, **self._histories}.items():
-            value = history.detach().max().float().cpu()
+            value = _values(history).max().float()
             if not value > -math.inf:
                 continue
             layer = name.split("#", 1)[0]
@@ -85,7 +95,7 @@ class ActivationRanges:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """{site name: history on the CPU}."""
-        return {name: h.detach().cpu().clone() for name, h in {**self._loaded, **self._histories}.items()}
+        return {name: _values(h).clone() for name, h in {**self._loaded, **self._histories}.items()}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         """Replace every history by ``state``'s (``state_dict()``); a site the state lacks is cleared.

@@ -35,6 +35,7 @@ _MASK64 = (1 << 64) - 1
 _lock = threading.Lock()
 _state = {"seed": None, "step": 0}  # seed None: the base comes from torch's generator
 _backend_step = {"step": 0}
+_resets = {"count": 0}  # how often the state was set (manual_seed, set_rng_state): see ``resets``
 _device_bases: dict = {}  # torch.device -> int64 [1] tensor holding the signed bits of _base()
 
 
@@ -114,6 +115,7 @@ def manual_seed(seed: Optional[int]) -> None:
         _state["seed"] = None if seed is None else int(seed)
         _state["step"] = 0
         _state["base"] = _counted_base()
+        _resets["count"] += 1
         _update_device_bases()
 
 
@@ -129,7 +131,15 @@ def set_rng_state(state: dict) -> None:
         _state["seed"] = None if state["seed"] is None else int(state["seed"])
         _state["step"] = int(state["step"])
         _state["base"] = int(state["base"]) if "base" in state else _counted_base()
+        _resets["count"] += 1
         _update_device_bases()
+
+
+def resets() -> int:
+    """How many times ``manual_seed`` or ``set_rng_state`` set the stream: a backend whose pass over its
+    graphs began before that starts the next pass with a new base."""
+    with _lock:
+        return _resets["count"]
 
 
 def advance(device: Optional[torch.device] = None, counted: bool = False) -> None:
