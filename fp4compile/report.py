@@ -424,13 +424,33 @@ def _module_site(node: fx.Node, site_names: set) -> Optional[str]:
 
 def _role_by_shape(node: fx.Node, site: GemmSite, roles: tuple) -> Optional[str]:
     """The role (one of ``roles``) of a high-precision GEMM of ``site`` whose output [M, N] (or its
-    transpose) matches exactly one role's shape; None when the shapes do not tell."""
+    transpose) matches exactly one role's shape. Where several match (a square output: dgrad's [M, K] and
+    wgrad's [N, K] when M == N), the weight gradient is the one whose result is a graph output as it is
+    (through views and transposes only) and the others are not; None when that does not tell either."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor) or val.dim() != 2:
         return None
     out = tuple(val.shape)
     matches = [r for r, info in site.roles.items() if r in roles and info.shape and tuple(info.shape[:2]) in (out, out[::-1])]
+    if len(matches) > 1 and "wgrad" in matches:
+        matches = ["wgrad"] if _is_output_as_is(node) else [r for r in matches if r != "wgrad"]
     return matches[0] if len(matches) == 1 else None
+
+
+_VIEW_OPS = {"t", "view", "_unsafe_view", "reshape", "permute", "transpose", "alias", "contiguous", "clone"}
+
+
+def _is_output_as_is(node: fx.Node) -> bool:
+    """Whether ``node``'s result is one of the graph's outputs, itself or through views and transposes."""
+    todo, seen = [node], {node}
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "output":
+                return True
+            if user.op == "call_function" and _op_name(user.target) in _VIEW_OPS and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return False
 
 
 def _label(kind: str, node: fx.Node, attrs: dict) -> str:

@@ -326,6 +326,23 @@ def test_dataflow_and_dot_colour_the_fp4_nodes(explained):
     assert dot.count(" -> ") == graph.number_of_edges()
 
 
+def test_every_gemm_of_a_site_has_its_role_where_shapes_tie():
+    """d_model 64 and 64 tokens: the dgrad and wgrad outputs of a d x d layer are both 64 x 64, which the
+    shapes alone cannot tell apart; the high-precision ones are labelled by role all the same."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=3, d=64)
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    report = fp4compile.explain(model, idx, loss_fn=lambda logits: lm_loss(logits, idx))
+    roles = {}
+    for _, attrs in report.dataflow("backward").nodes(data=True):
+        if attrs["kind"] in ("high_gemm", "fp4_gemm"):
+            roles.setdefault(attrs["site"], []).append(attrs["role"])
+            assert attrs["role"] in attrs["label"], attrs["label"]
+    assert roles.keys() == {s.name for s in report.sites}
+    assert all(sorted(r) == ["dgrad", "wgrad"] for r in roles.values()), roles
+
+
 def test_save_image_writes_a_png(explained, tmp_path):
     path = tmp_path / "backward.png"
     explained.report.save_image(path, stage="backward")
