@@ -29,7 +29,7 @@ import torch.fx as fx
 from fp4compile import ops
 from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, module_path
 from fp4compile.recipe import HIGH, Recipe
-from fp4compile.sites import ROLES, CompileContext, GemmSite, StageGraph, copy_graph
+from fp4compile.sites import ROLES, CompileContext, GemmSite, StageGraph, copy_graph, symbols
 
 STAGES = ("dynamo", "joint", "forward", "backward")
 
@@ -141,18 +141,34 @@ class Report:
 
     def flop_shares(self) -> dict:
         """Share of GEMM FLOPs per precision over every role-tagged GEMM with a known shape, and the products
-        with a weight that are not sites (high precision)."""
+        with a weight that are not sites (high precision). A symbolic size (a graph compiled with dynamic
+        shapes) is counted at its size hint, the value it had in the inputs the graph was compiled for
+        (``size_hints``)."""
         totals: dict = {}
-        for site in self.sites:
-            for info in site.roles.values():
-                if isinstance(info.flops, int):
-                    totals[info.precision] = totals.get(info.precision, 0) + info.flops
+        for ctx in self.latest:
+            hints = ctx.size_hints()
+            for site in ctx.sites:
+                for info in site.roles.values():
+                    flops = info.flops_at(hints)
+                    if flops is not None:
+                        totals[info.precision] = totals.get(info.precision, 0) + flops
         for ctx in self.latest:  # products with a weight that are not sites (nn.MultiheadAttention's)
             for other in ctx.other_gemms:
                 if other.flops:
                     totals[HIGH] = totals.get(HIGH, 0) + other.flops
         total = sum(totals.values()) or 1
         return {k: v / total for k, v in totals.items()}
+
+    def size_hints(self) -> dict[str, int]:
+        """{symbol: size hint} of the symbolic GEMM sizes that ``flop_shares`` counts at their hints (empty
+        where every GEMM shape is static)."""
+        out: dict = {}
+        for ctx in self.latest:
+            hints = ctx.size_hints()
+            for site in ctx.sites:
+                for info in site.roles.values():
+                    out.update({name: hints[name] for d in info.shape or () for name in symbols(d) if name in hints})
+        return dict(sorted(out.items()))
 
     def kernels(self) -> dict:
         """(kernel, reason) -> number of FP4 GEMMs it runs."""
@@ -207,13 +223,17 @@ class Report:
         return "\n".join(lines)
 
     def summary(self) -> str:
-        """The totals line: "N GEMM sites in B blocks; nvfp4: G GEMMs, x% of GEMM FLOPs; high precision: ..."."""
+        """The totals line: "N GEMM sites in B blocks; nvfp4: G GEMMs, x% of GEMM FLOPs; high precision: ...",
+        and with dynamic shapes the size hints the FLOPs were counted at ("FLOPs at size hints s0=4")."""
         counts, shares = self.counts(), self.flop_shares()
         order = sorted(counts, key=lambda k: (k == HIGH, k))
         parts = [
             f"{'high precision' if k == HIGH else k}: {counts[k]} GEMMs, {100 * shares.get(k, 0):.1f}% of GEMM FLOPs"
             for k in order
         ]
+        hints = self.size_hints()
+        if parts and hints:
+            parts.append("FLOPs at size hints " + ", ".join(f"{name}={value}" for name, value in hints.items()))
         head = f"{len(self.sites)} GEMM sites in {self.n_blocks} blocks"
         return "; ".join([head, *parts]) if parts else f"{head}; no GEMM has run yet"
 

@@ -6,6 +6,7 @@ import dataclasses
 import math
 import operator
 import logging
+import re
 from typing import Optional
 
 import torch
@@ -100,12 +101,40 @@ class RoleInfo:
     @property
     def flops(self) -> Optional[int]:
         """2*M*N*K; None while a dim is symbolic (dynamic shapes record it as text)."""
+        return self.flops_at({})
+
+    def flops_at(self, hints: dict) -> Optional[int]:
+        """2*M*N*K with each symbolic dim read at ``hints`` ({symbol: value}, ``size_at``); None where a
+        dim's symbols have no hint there."""
         if not self.shape:
             return 0
-        if not all(isinstance(d, int) for d in self.shape):
+        dims = [size_at(d, hints) for d in self.shape]
+        if None in dims:
             return None
-        m, n, k = self.shape
+        m, n, k = dims
         return 2 * m * n * k
+
+
+def size_at(dim, hints: dict) -> Optional[int]:
+    """A size as the report records it, an int or a symbolic expression as text ("16*s0"), with the
+    symbols read at ``hints`` ({symbol name: value}); None where one has no value there."""
+    if isinstance(dim, int):
+        return dim
+    names = set(symbols(dim))
+    if not names or not names <= hints.keys():
+        return None
+    import sympy
+
+    try:
+        value = sympy.sympify(str(dim), locals={name: sympy.Integer(hints[name]) for name in names})
+    except (sympy.SympifyError, SyntaxError, TypeError):
+        return None
+    return int(value) if getattr(value, "is_Integer", False) else None
+
+
+def symbols(dim) -> list[str]:
+    """The symbols a size recorded as text reads ("16*s0" -> ["s0"]); none for an int."""
+    return [] if isinstance(dim, int) else re.findall(r"\b[a-z]+\d+\b", str(dim))
 
 
 @dataclasses.dataclass
@@ -264,6 +293,18 @@ class CompileContext:
         # The backend's activation ranges (``fp4compile.ranges``) where this graph records them: compiled
         # with gradients enabled and ``Recipe.amax_history`` > 0; else None.
         self.ranges = None
+        # The shape environment of a graph with symbolic sizes (dynamic shapes): ``size_hints``.
+        self.shape_env = None
+
+    def size_hints(self) -> dict[str, int]:
+        """{symbol: size hint} of the graph's symbolic sizes: the value each had in the inputs the graph
+        was compiled for."""
+        if self.shape_env is None:
+            return {}
+        env = self.shape_env
+        values = getattr(env, "backed_var_to_val", None)
+        values = env.var_to_val if values is None else values  # older torch
+        return {str(symbol): int(value) for symbol, value in values.items()}
 
     @property
     def stage(self) -> str:

@@ -77,6 +77,28 @@ def test_fp4compile_manual_seed_restarts_a_reused_backend_as_a_fresh_one():
 
 
 # ---------------------------------------------------------------------------------------------
+# Dynamic shapes in the report
+# ---------------------------------------------------------------------------------------------
+
+
+def test_dynamic_shapes_count_gemm_flops_at_their_size_hints():
+    reports = {}
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        backend = Backend(inner="eager")
+        _step(torch.compile(_stack(4), backend=backend, dynamic=dynamic))
+        reports[dynamic] = backend.report
+    static, dynamic = reports[False], reports[True]
+    assert any(isinstance(d, str) for s in dynamic.sites for d in s.shapes["fprop"])  # symbolic tokens
+    assert set(dynamic.flop_shares()) == {"nvfp4", "high"}
+    assert dynamic.flop_shares() == pytest.approx(static.flop_shares())
+    assert 0.4 < dynamic.flop_shares()["nvfp4"] < 0.6  # the middle two of four blocks
+    assert dynamic.summary().startswith(static.summary())
+    assert dynamic.summary().endswith("FLOPs at size hints " + ", ".join(f"{k}={v}" for k, v in dynamic.size_hints().items()))
+    assert dynamic.size_hints() and set(dynamic.size_hints().values()) <= {2, 16} and static.size_hints() == {}
+
+
+# ---------------------------------------------------------------------------------------------
 # Meta device
 # ---------------------------------------------------------------------------------------------
 
