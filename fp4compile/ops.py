@@ -479,7 +479,11 @@ class _LinearFunction(torch.autograd.Function):
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        # Not y.reshape: a view made inside a custom Function is an output autograd forbids modifying in
+        # place (``nn.ReLU(inplace=True)``, ``y += x`` on the linear's output). ``_unsafe_view`` (what
+        # ``torch.matmul`` returns) is the same zero-copy reshape of the contiguous GEMM output without
+        # autograd's view tracking; y itself is neither saved nor used again.
+        return torch.ops.aten._unsafe_view(y, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, dy):
