@@ -3,7 +3,10 @@
 Requires: ``find_gemm_sites`` (sites named by their weight's path in the model).
 Guarantees: ``site.block`` / ``site.block_name`` set for every site inside a block (None outside: the
 output layer, projections before the first block), ``ctx.n_blocks`` and ``ctx.block_names`` in execution
-order.
+order. ``site.block`` is the block's position in the whole model and ``ctx.n_blocks`` the whole model's
+count: for a model holding part of the blocks under their layer keys (a pipeline stage), the keys' numbers
+among ``ctx.total_blocks`` (``model_positions``, with a warning in ``ctx.warnings`` where the total is
+guessed).
 
 Blocks are the model's repeated units, found from the module hierarchy (of the whole root model where the
 backend knows it, so that a graph holding part of the model numbers its blocks among all of them) and
