@@ -148,19 +148,19 @@ def all_reduce_amax(x: torch.Tensor, group: str) -> torch.Tensor:
 @torch.library.custom_op("fp4::quantize_sharded", mutates_args=())
 def quantize_sharded(
     x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str, group: str,
-    layout: str = "row_major",
+    layout: str = "row_major", scale_rule: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fp4.quantize`` of one shard of a tensor sharded over ``group``: the global amax is all-reduced
     (MAX) over the group first, so the codes and scales are those of the full tensor's quantization.
     ``layout``: the scales' layout, as ``fp4.quantize`` takes it (the 128x4 tiled one for a CUTLASS GEMM)."""
     amax = all_reduce_amax(x, group)
     stream = reference.host_stream(x, rounding, seed, "fp4.quantize_sharded")
-    q = formats.quantize(x, fmt, block, rounding, seed=stream, amax=amax)
+    q = formats.quantize(x, fmt, block, rounding, seed=stream, amax=amax, scale_rule=scale_rule)
     ops._check_finite(check, q.amax, x)
     scales = q.scales.view(torch.uint8)
     return q.data.view(torch.uint8), scale_layout.arrange(scales, layout), q.amax
 
 
 @quantize_sharded.register_fake
-def _(x, fmt, block, rounding, seed, check, group, layout="row_major"):
+def _(x, fmt, block, rounding, seed, check, group, layout="row_major", scale_rule="6"):
     return torch.ops.fp4.quantize.default(x, fmt, block, rounding, seed, check, layout=layout)

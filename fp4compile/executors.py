@@ -10,15 +10,15 @@ tensor has too (device, dtype, shape) and the op's constant arguments.
 
 | op | arguments | implementations, in order |
 |---|---|---|
-| ``quantize`` | x, fmt, block, rounding, seed, amax, seed_base, layout | ``triton``, ``reference`` |
-| ``rht_quantize`` | x, size, fmt, block, rounding, seed, amax, seed_base, layout | ``triton`` (fused), ``unfused`` (``formats.rht``, then the ``quantize`` entry) |
+| ``quantize`` | x, fmt, block, rounding, seed, amax, seed_base, layout, scale_rule | ``triton``, ``reference`` |
+| ``rht_quantize`` | x, size, fmt, block, rounding, seed, amax, seed_base, layout, scale_rule | ``triton`` (fused), ``unfused`` (``formats.rht``, then the ``quantize`` entry) |
 | ``fake_quantize`` | as ``quantize``, without ``layout`` | ``triton``, ``unfused`` (the ``quantize`` entry, then the decode) |
 | ``fake_rht_quantize`` | as ``rht_quantize`` | ``triton``, ``unfused`` |
-| ``fake_dual_quantize`` | x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base, seed_base_t | ``triton`` (one launch), ``unfused`` (the two entries above) |
+| ``fake_dual_quantize`` | x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base, seed_base_t, scale_rule | ``triton`` (one launch), ``unfused`` (the two entries above) |
 | ``wgrad_amax`` | x, size | ``triton``, ``reference`` |
 | ``transpose_quantized`` | data, scales, layout | ``triton``, ``reference`` |
 | ``decode_blocks`` | data, scales | ``triton``, ``reference`` |
-| ``emulated_mm`` | a, a_amax, b, b_amax, fmt, out_dtype | ``cublaslt`` (alpha in its epilogue), ``triton`` (torch.mm to fp32, then the epilogue kernel; in the graph), ``cuda-bf16`` (MXFP4), ``reference`` |
+| ``emulated_mm`` | a, a_amax, b, b_amax, fmt, out_dtype, scale_rule | ``cublaslt`` (alpha in its epilogue), ``triton`` (torch.mm to fp32, then the epilogue kernel; in the graph), ``cuda-bf16`` (MXFP4), ``reference`` |
 | ``scaled_mm`` | a ``GemmSpec``, when the graph is compiled | ``cutlass`` (sm_100), ``emulation`` |
 
 ``triton`` takes CUDA tensors where ``codegen.triton_kernels`` can run (its checks and calls are in
@@ -29,7 +29,7 @@ tensor has too (device, dtype, shape) and the op's constant arguments.
 device (``choose_gemm``), and the graph carries the choice as its kernel string (``cutlass:<config>``,
 ``+emulation`` where the recipe allows emulation, or ``emulation``); ``run_scaled_mm`` runs the
 implementation the string names. Its calls take ``(kernel, a, a_scales, a_amax, b, b_scales, b_amax,
-fmt, out_dtype)``; a call that returns None (a CUTLASS configuration that failed its first use, where
+fmt, out_dtype, scale_rule)``; a call that returns None (a CUTLASS configuration that failed its first use, where
 emulation is allowed) is run by ``emulation``. On a Blackwell GPU ``emulation`` declines unless the
 recipe allows it, and ``choose_gemm`` raises ``CutlassRequired`` with both reasons.
 
@@ -102,6 +102,7 @@ class GemmSpec:
     device: torch.device
     allow_emulation: bool = True
     batched: bool = False
+    scale_rule: str = "6"
 
 
 class NoImplementation(RuntimeError):
@@ -234,25 +235,29 @@ def _decoded(outputs: tuple, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     return reference.block_decode(data, scales, amax, fmt).to(torch.bfloat16), amax
 
 
-def _rht_then_quantize(x, size, fmt, block, rounding, seed, amax=None, seed_base=None, layout="row_major"):
-    return run("quantize", formats.rht(x, size), fmt, block, rounding, seed, amax, seed_base, layout)
+def _rht_then_quantize(x, size, fmt, block, rounding, seed, amax=None, seed_base=None, layout="row_major",
+                       scale_rule="6"):
+    return run("quantize", formats.rht(x, size), fmt, block, rounding, seed, amax, seed_base, layout, scale_rule)
 
 
-def _quantize_then_decode(x, fmt, block, rounding, seed, amax=None, seed_base=None):
-    return _decoded(run("quantize", x, fmt, block, rounding, seed, amax, seed_base), fmt)
+def _quantize_then_decode(x, fmt, block, rounding, seed, amax=None, seed_base=None, scale_rule="6"):
+    return _decoded(run("quantize", x, fmt, block, rounding, seed, amax, seed_base, "row_major", scale_rule), fmt)
 
 
-def _rht_quantize_then_decode(x, size, fmt, block, rounding, seed, amax=None, seed_base=None):
-    return _decoded(run("rht_quantize", x, size, fmt, block, rounding, seed, amax, seed_base), fmt)
+def _rht_quantize_then_decode(x, size, fmt, block, rounding, seed, amax=None, seed_base=None, scale_rule="6"):
+    return _decoded(run("rht_quantize", x, size, fmt, block, rounding, seed, amax, seed_base, "row_major", scale_rule),
+                    fmt)
 
 
-def _two_decoded(x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base=None, seed_base_t=None):
-    rows = run("fake_quantize", x, fmt, "1x16", rounding, seed, amax, seed_base)[0]
-    transformed = run("fake_rht_quantize", x.t(), size, fmt, "1x16", rounding_t, seed_t, amax_t, seed_base_t)[0]
+def _two_decoded(x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base=None, seed_base_t=None,
+                 scale_rule="6"):
+    rows = run("fake_quantize", x, fmt, "1x16", rounding, seed, amax, seed_base, scale_rule)[0]
+    transformed = run("fake_rht_quantize", x.t(), size, fmt, "1x16", rounding_t, seed_t, amax_t, seed_base_t,
+                      scale_rule)[0]
     return rows, transformed
 
 
-def _check_cuda_bf16(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
+def _check_cuda_bf16(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6") -> tuple[bool, str]:
     if fmt == "nvfp4":
         return False, "NVFP4 needs alpha in the epilogue"
     if not a.is_cuda:
@@ -262,7 +267,7 @@ def _check_cuda_bf16(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
     return True, ""
 
 
-def _cuda_bf16(a, a_amax, b, b_amax, fmt, out_dtype) -> torch.Tensor:
+def _cuda_bf16(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6") -> torch.Tensor:
     """Decoded operands are exact in BF16: a BF16 GEMM with fp32 output accumulates the same products."""
     return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16).t(), out_dtype=torch.float32).to(out_dtype)
 
@@ -277,16 +282,17 @@ def _unfused(call: Callable) -> Implementation:
 
 _QUANTIZE_ARGS = "x fmt block rounding seed amax seed_base"
 _RHT_QUANTIZE_ARGS = "x size fmt block rounding seed amax seed_base"
-_define("quantize", _QUANTIZE_ARGS + " layout", _triton("quantize"), _reference(reference.quantize))
-_define("rht_quantize", _RHT_QUANTIZE_ARGS + " layout", _triton("rht_quantize"), _unfused(_rht_then_quantize))
-_define("fake_quantize", _QUANTIZE_ARGS, _triton("fake_quantize"), _unfused(_quantize_then_decode))
-_define("fake_rht_quantize", _RHT_QUANTIZE_ARGS, _triton("fake_rht_quantize"), _unfused(_rht_quantize_then_decode))
-_define("fake_dual_quantize", "x size fmt rounding seed amax rounding_t seed_t amax_t seed_base seed_base_t",
+_define("quantize", _QUANTIZE_ARGS + " layout scale_rule", _triton("quantize"), _reference(reference.quantize))
+_define("rht_quantize", _RHT_QUANTIZE_ARGS + " layout scale_rule", _triton("rht_quantize"), _unfused(_rht_then_quantize))
+_define("fake_quantize", _QUANTIZE_ARGS + " scale_rule", _triton("fake_quantize"), _unfused(_quantize_then_decode))
+_define("fake_rht_quantize", _RHT_QUANTIZE_ARGS + " scale_rule", _triton("fake_rht_quantize"),
+        _unfused(_rht_quantize_then_decode))
+_define("fake_dual_quantize", "x size fmt rounding seed amax rounding_t seed_t amax_t seed_base seed_base_t scale_rule",
         _triton("fake_dual_quantize"), _unfused(_two_decoded))
 _define("wgrad_amax", "x size", _triton("wgrad_amax"), _reference(reference.wgrad_amax))
 _define("transpose_quantized", "data scales layout", _triton("transpose_quantized"), _reference(reference.transpose_quantized))
 _define("decode_blocks", "data scales", _triton("decode_blocks"), _reference(reference.decode_blocks))
-_define("emulated_mm", "a a_amax b b_amax fmt out_dtype", _triton("cublaslt_mm", in_graph=False, name="cublaslt"),
+_define("emulated_mm", "a a_amax b b_amax fmt out_dtype scale_rule", _triton("cublaslt_mm", in_graph=False, name="cublaslt"),
         _triton("emulated_mm"),
         Implementation("cuda-bf16", _check_cuda_bf16, _cuda_bf16), _reference(reference.decoded_product))
 
@@ -313,6 +319,9 @@ def _check_cutlass(spec: GemmSpec) -> tuple[bool, str]:
         return False, "batched operands: the FP4 kernels take 2-D operands"
     if spec.fmt != "nvfp4":
         return False, f"CUTLASS kernels are generated for NVFP4 only, not {spec.fmt}"
+    if spec.scale_rule != "6":
+        return False, (f"the CUTLASS kernels' epilogue computes alpha with the 6 x 448 global constant, not that of "
+                       f"the block scale rule {spec.scale_rule!r} (6 x 256)")
     if spec.device.type != "cuda":
         return False, f"device {spec.device} is not a CUDA GPU"
     try:
@@ -333,9 +342,14 @@ def _cutlass_kernel(spec: GemmSpec) -> str:
     return cutlass_runtime.kernel_name(config, spec.allow_emulation)
 
 
-def _cutlass(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype):
+def _cutlass(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule="6"):
     from fp4compile.codegen import cutlass_runtime
 
+    if scale_rule != "6":
+        raise NotImplementedError(
+            f"fp4.scaled_mm {kernel}: the CUTLASS kernels compute alpha with the 6 x 448 constant, not for the "
+            f"block scale rule {scale_rule!r} (choose_gemm gives such GEMMs to emulation)"
+        )
     return cutlass_runtime.scaled_mm(kernel, a, a_scales, a_amax, b, b_scales, b_amax, out_dtype)
 
 
@@ -352,7 +366,7 @@ def _check_emulation(spec: GemmSpec) -> tuple[bool, str]:
     return True, ""
 
 
-def _emulation(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype):
+def _emulation(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule="6"):
     """Block-decode both operands (exact) and multiply with fp32 accumulation, then alpha. On CUDA the
     operands are decoded to BF16 (exact) for a tensor-core GEMM: the ``decode_blocks`` and ``emulated_mm``
     entries."""
@@ -362,11 +376,11 @@ def _emulation(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
         else:
             a_bd = reference.block_decode(a, a_scales, a_amax, fmt).to(torch.bfloat16)
             b_bd = reference.block_decode(b, b_scales, b_amax, fmt).to(torch.bfloat16)
-        return run("emulated_mm", a_bd, a_amax, b_bd, b_amax, fmt, out_dtype)
-    return reference.scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
+        return run("emulated_mm", a_bd, a_amax, b_bd, b_amax, fmt, out_dtype, scale_rule)
+    return reference.scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule)
 
 
-_define("scaled_mm", "kernel a a_scales a_amax b b_scales b_amax fmt out_dtype",
+_define("scaled_mm", "kernel a a_scales a_amax b b_scales b_amax fmt out_dtype scale_rule",
         Implementation("cutlass", _check_cutlass, _cutlass, kernel=_cutlass_kernel),
         Implementation("emulation", _check_emulation, _emulation))
 
@@ -378,11 +392,11 @@ def _notice(message: str) -> None:
 
 
 def choose_gemm(m, n, k, fmt: str, out_dtype: torch.dtype, device, allow_emulation: bool = True,
-                batched: bool = False) -> Choice:
+                batched: bool = False, scale_rule: str = "6") -> Choice:
     """The ``scaled_mm`` implementation of C[m, n] = A[m, k] @ B[n, k]^T in ``fmt`` on ``device``
     (``choice.name`` is the kernel string the graph carries). On a Blackwell GPU a GEMM that gets no
     CUTLASS kernel raises ``CutlassRequired`` with the reasons unless ``allow_emulation``."""
-    spec = GemmSpec(m, n, k, fmt, out_dtype, torch.device(device), allow_emulation, batched)
+    spec = GemmSpec(m, n, k, fmt, out_dtype, torch.device(device), allow_emulation, batched, scale_rule)
     try:
         choice = choose("scaled_mm", spec)
     except NoImplementation as exc:
@@ -398,9 +412,10 @@ def is_cutlass_kernel(kernel: str) -> bool:
     return kernel.split(":", 1)[0] == "cutlass"
 
 
-def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype):
+def run_scaled_mm(kernel: str, a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype,
+                  scale_rule: str = "6"):
     """``fp4.scaled_mm`` by the implementation its kernel string names (the part before any ':')."""
-    args = (a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
+    args = (a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule)
     name = kernel.split(":", 1)[0]
     entries = {impl.name: impl for impl in _entries("scaled_mm")}
     if name not in entries:

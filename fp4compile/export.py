@@ -119,15 +119,17 @@ def _weight_block(backend) -> str:
     return backend.recipe.weight_block
 
 
-def quantized_weight(weight: torch.Tensor, transposed: bool = False, block: str = "16x16") -> formats.QTensor:
+def quantized_weight(weight: torch.Tensor, transposed: bool = False, block: str = "16x16",
+                     scale_rule: str = "6") -> formats.QTensor:
     """The training forward's NVFP4 quantization of a GEMM weight as it is now: the parameter as stored
     (float32 master weights), [out, in] as the GEMM multiplies it, round-to-nearest-even with its own
     amax (``fp4.quantize(W, "nvfp4", "16x16", "rne", ...)`` in fprop; the next forward uses exactly these
-    bits). ``transposed``: the parameter is [in, out] (GPT-2's Conv1D)."""
+    bits). ``transposed``: the parameter is [in, out] (GPT-2's Conv1D); ``scale_rule``: the recipe's block
+    scale rule."""
     w = weight.detach()
     if transposed:
         w = w.t()
-    return formats.quantize(w, "nvfp4", block, "rne")
+    return formats.quantize(w, "nvfp4", block, "rne", scale_rule=scale_rule)
 
 
 def site_tensors(q: formats.QTensor, input_amax: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
@@ -141,11 +143,13 @@ def site_tensors(q: formats.QTensor, input_amax: Optional[torch.Tensor] = None) 
         "weight_scale": q.scales.contiguous(),
         # compressed-tensors decodes value * (weight_scale / global_scale); the training decode is
         # value * weight_scale * amax / 2688, and the training quantizer's S_enc = 2688 / amax is that
-        # global scale (the same float32 the codes were made with).
-        "weight_global_scale": formats.global_encode_scale(q.amax.float()).reshape(1),
+        # global scale (the same float32 the codes were made with; 1536 instead of 2688 with the
+        # block scale rule "4/6", whose scales the same decode reads).
+        "weight_global_scale": formats.global_encode_scale(q.amax.float(), q.scale_rule).reshape(1),
     }
     if input_amax is not None:
-        out["input_global_scale"] = formats.global_encode_scale(torch.as_tensor(input_amax, dtype=torch.float32)).reshape(1)
+        out["input_global_scale"] = formats.global_encode_scale(torch.as_tensor(input_amax, dtype=torch.float32),
+                                                                q.scale_rule).reshape(1)
     return out
 
 
@@ -253,7 +257,7 @@ class _ShardWriter:
 
 
 def _tensors(model: torch.nn.Module, sites: list[ExportSite], input_amax: Optional[dict], dtype: torch.dtype,
-             block: str) -> Iterator[tuple[str, torch.Tensor]]:
+             block: str, scale_rule: str = "6") -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of the checkpoint, one state-dict entry at a time: an FP4 weight becomes its site's
     compressed tensors (quantized when its turn comes), a tied duplicate is left out (transformers ties
     it again on load), other floating tensors are cast to ``dtype``."""
@@ -268,7 +272,7 @@ def _tensors(model: torch.nn.Module, sites: list[ExportSite], input_amax: Option
         site = by_param.get(name)
         if site is not None:
             amax = None if input_amax is None else input_amax[site.name]
-            q = quantized_weight(tensor, site.transposed, block)
+            q = quantized_weight(tensor, site.transposed, block, scale_rule)
             for suffix, t in site_tensors(q, amax).items():
                 yield f"{site.name}.{suffix}", t
         elif tensor.is_floating_point():
@@ -321,7 +325,7 @@ def export(
 
     writer = _ShardWriter(out, max_shard_size)
     with torch.no_grad():
-        for name, tensor in _tensors(model, sites, input_amax, dtype, block):
+        for name, tensor in _tensors(model, sites, input_amax, dtype, block, backend.recipe.block_scale_rule):
             writer.add(name, tensor)
     writer.close()
 
@@ -381,7 +385,8 @@ def served(model: torch.nn.Module, backend, scheme: str = "NVFP4A16", input_amax
         with torch.no_grad():
             for site in sites:
                 p = params[site.parameter]
-                decoded = formats.dequantize(quantized_weight(p, site.transposed, block), p.dtype)
+                decoded = formats.dequantize(quantized_weight(p, site.transposed, block, backend.recipe.block_scale_rule),
+                                             p.dtype)
                 saved.append((p, p.data))
                 p.data = decoded.t().contiguous() if site.transposed else decoded
                 if SCHEMES[scheme]:

@@ -26,6 +26,8 @@ __all__ = [
     "block_decode",
     "global_decode_scale",
     "gemm_alpha",
+    "SCALE_RULES",
+    "global_constant",
     "encode_e2m1",
     "decode_e2m1",
     "pack_e2m1",
@@ -43,6 +45,14 @@ E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 # 2688 = E2M1_MAX * E4M3_MAX: the global scale maps amax to the largest representable product.
 NVFP4_GLOBAL = E2M1_MAX * E4M3_MAX
+# Block scale rules of NVFP4: "6" scales each block's maximum to 6 (the recipe's rule); "4/6" ("Four Over
+# Six") also tries scaling it to 4 (the first candidate's scale times 1.5) and keeps, per block, the
+# candidate with the smaller squared error. Its global scale maps amax to 6 * 256 = 1536 instead of 2688,
+# so that a block scale expanded by 1.5 still fits E4M3 (256 * 1.5 = 384 <= 448).
+SCALE_RULES = ("6", "4/6")
+FOUR_OVER_SIX_E4M3_MAX = 256.0
+FOUR_OVER_SIX_GLOBAL = E2M1_MAX * FOUR_OVER_SIX_E4M3_MAX
+FOUR_OVER_SIX_EXPANSION = 1.5
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Magnitude thresholds between neighbouring E2M1 values, with whether a tie goes up (to the
@@ -76,6 +86,7 @@ class QTensor:
     block: str
     shape: torch.Size
     dtype: torch.dtype
+    scale_rule: str = "6"
 
     def codes(self) -> torch.Tensor:
         """The unpacked 4-bit codes as uint8, shape ``self.shape``."""
@@ -92,7 +103,8 @@ class QTensor:
         tiles = self.scales[..., ::16, :]  # one row of scales per 16-row tile: [..., R/16, C/16]
         scales = tiles.transpose(-1, -2).repeat_interleave(16, dim=-2).contiguous()
         shape = self.shape[:-2] + (self.shape[-1], self.shape[-2])
-        return QTensor(pack_e2m1(codes), scales, self.amax, self.fmt, self.block, torch.Size(shape), self.dtype)
+        return QTensor(pack_e2m1(codes), scales, self.amax, self.fmt, self.block, torch.Size(shape), self.dtype,
+                       self.scale_rule)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -300,32 +312,98 @@ def _per_block(xf: torch.Tensor, cols: int, op, per_block: torch.Tensor) -> torc
     return op(blocks, per_block.unsqueeze(-1)).reshape(xf.shape)
 
 
-def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = min(2688 / amax, FLT_MAX), replaced by 1 where amax == 0 or S_enc == 0."""
-    # An IEEE division (``2688 / tensor`` in PyTorch would be reciprocal-then-multiply: two roundings).
-    s = torch.clamp(torch.full_like(amax, NVFP4_GLOBAL).div(amax), max=FLT_MAX)  # clamp keeps NaN
+def _check_scale_rule(scale_rule: str, fmt: str = "nvfp4") -> None:
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    if scale_rule != "6" and fmt != "nvfp4":
+        raise ValueError(
+            f"scale_rule={scale_rule!r} (Four Over Six) is an NVFP4 block scale rule: {fmt} has power-of-two "
+            "block scales and no per-tensor scale to give it room; use scale_rule='6' with it"
+        )
+
+
+def global_constant(scale_rule: str = "6") -> float:
+    """The value a tensor's amax is mapped to by its global scale: 6 * 448 = 2688 for the rule "6",
+    6 * 256 = 1536 for "4/6" (room for the block scales expanded by 1.5)."""
+    _check_scale_rule(scale_rule)
+    return NVFP4_GLOBAL if scale_rule == "6" else FOUR_OVER_SIX_GLOBAL
+
+
+def global_encode_scale(amax: torch.Tensor, scale_rule: str = "6") -> torch.Tensor:
+    """S_enc = min(G / amax, FLT_MAX), replaced by 1 where amax == 0 or S_enc == 0; G = 2688 (the rule
+    "6") or 1536 ("4/6"), ``global_constant``."""
+    # An IEEE division (``G / tensor`` in PyTorch would be reciprocal-then-multiply: two roundings).
+    s = torch.clamp(torch.full_like(amax, global_constant(scale_rule)).div(amax), max=FLT_MAX)  # clamp keeps NaN
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
 
 
-def global_decode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 2688 as the decode formula computes it: amax * fp32(1/2688)."""
-    return amax.float() * torch.tensor(1.0 / NVFP4_GLOBAL, dtype=torch.float32)
+def global_decode_scale(amax: torch.Tensor, scale_rule: str = "6") -> torch.Tensor:
+    """amax / G as the decode formula computes it: amax * fp32(1/G) (G = 2688, or 1536 for "4/6")."""
+    return amax.float() * torch.tensor(1.0 / global_constant(scale_rule), dtype=torch.float32)
 
 
-def gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
-    """alpha = (amax_A / 2688) * (amax_B / 2688) in float32: the one factor an NVFP4 GEMM's epilogue
-    multiplies the fp32 sum of block-decoded products by (``out = cast(alpha * acc)``)."""
-    return global_decode_scale(amax_a) * global_decode_scale(amax_b)
+def gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor, scale_rule: str = "6") -> torch.Tensor:
+    """alpha = (amax_A / G) * (amax_B / G) in float32: the one factor an NVFP4 GEMM's epilogue
+    multiplies the fp32 sum of block-decoded products by (``out = cast(alpha * acc)``); G as
+    ``global_decode_scale``."""
+    return global_decode_scale(amax_a, scale_rule) * global_decode_scale(amax_b, scale_rule)
 
 
-def nvfp4_encode(xf, bamax, g_amax, cols: int, rounding: str, rand_bits=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair_tree_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) in a fixed order: adjacent pairs, level by level
+    (((v0 + v1) + (v2 + v3)) + ...), one float32 rounding per addition; kernels add in the same order."""
+    while v.shape[-1] > 1:
+        v = v[..., 0::2] + v[..., 1::2]
+    return v[..., 0]
+
+
+def four_over_six_errors(xf, sf6, sf4, g_amax, cols: int, rows: int = 1):
+    """(err6, err4): each block's squared error sum(x^ - x)^2 after dequantization with the E4M3 scale
+    sf6 (block maximum scaled to 6) and sf4 (scaled to 4), both rounding to nearest even; one value per
+    1xcols block row [..., K/cols], a 16x16 tile's error (``rows`` 16) repeated on its 16 rows.
+
+    x^ = value(code) * ((sf * amax) * fp32(1/1536)), as ``dequantize``; the squares are summed over each
+    row's 16 elements and then over the tile's 16 rows, both in ``_pair_tree_sum``'s order."""
+    s_enc = global_encode_scale(g_amax, "4/6")
+    s_dec = 1.0 / s_enc
+    inv = torch.tensor(1.0 / FOUR_OVER_SIX_GLOBAL, dtype=torch.float32)
+    blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // cols, cols)
+    errors = []
+    for sf in (sf6, sf4):
+        sfv = sf.float()
+        enc = torch.clamp(1.0 / (sfv * s_dec), max=FLT_MAX)
+        values = decode_e2m1(encode_e2m1(blocks * enc.unsqueeze(-1)))
+        d = values * ((sfv * g_amax) * inv).unsqueeze(-1) - blocks
+        err = _pair_tree_sum(d * d)  # [..., R, K/cols]
+        if rows > 1:
+            r = err.shape[-2]
+            tiles = err.reshape(*err.shape[:-2], r // rows, rows, err.shape[-1]).transpose(-1, -2)
+            err = _pair_tree_sum(tiles).repeat_interleave(rows, dim=-2)
+        errors.append(err)
+    return errors[0], errors[1]
+
+
+def nvfp4_encode(xf, bamax, g_amax, cols: int, rounding: str, rand_bits=None, scale_rule: str = "6",
+                 rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed E2M1 codes, E4M3 block scales) of fp32 ``xf`` with block amaxes ``bamax`` [..., K/cols]
     and the global amax ``g_amax``: a scalar, or one value per block broadcast against ``bamax`` (the
-    grouped quantization of MoE experts, one global amax per expert). The NUMERICS formulas."""
-    s_enc = global_encode_scale(g_amax)
+    grouped quantization of MoE experts, one global amax per expert). The NUMERICS formulas.
+
+    ``scale_rule="4/6"`` (Four Over Six): S_enc maps amax to 1536; each block (a ``rows`` x ``cols``
+    tile) has two candidate scales, sf6 = E4M3(bamax * (S_enc * fp32(1/6))) and sf4 = E4M3(min(fp32 of
+    that product before rounding * 1.5, 448)), and keeps sf4 where its squared error after
+    dequantization (``four_over_six_errors``, round to nearest even) is strictly smaller, else sf6. The
+    codes are then rounded with the kept scale: stochastically under SR (the choice itself never depends
+    on the random bits, so SR stays unbiased for the kept scale)."""
+    _check_scale_rule(scale_rule)
+    s_enc = global_encode_scale(g_amax, scale_rule)
     s_dec = 1.0 / s_enc
-    sf32 = bamax * (s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32))
-    sf = torch.clamp(sf32, max=E4M3_MAX).to(torch.float8_e4m3fn)
+    sf32 = torch.clamp(bamax * (s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32)), max=E4M3_MAX)
+    sf = sf32.to(torch.float8_e4m3fn)
+    if scale_rule == "4/6":
+        sf4 = torch.clamp(sf32 * FOUR_OVER_SIX_EXPANSION, max=E4M3_MAX).to(torch.float8_e4m3fn)
+        err6, err4 = four_over_six_errors(xf, sf, sf4, g_amax, cols, rows)
+        sf = torch.where(err4 < err6, sf4.float(), sf.float()).to(torch.float8_e4m3fn)  # NaN keeps sf6
     enc = torch.clamp(1.0 / (sf.float() * s_dec), max=FLT_MAX)
     v = _per_block(xf, cols, torch.mul, enc)
     return pack_e2m1(encode_e2m1(v, rounding, rand_bits)), sf
@@ -339,6 +417,7 @@ def quantize(
     generator: Optional[torch.Generator] = None,
     amax: Optional[torch.Tensor] = None,
     seed: Optional[int] = None,
+    scale_rule: str = "6",
 ) -> QTensor:
     """Quantize ``x`` to an FP4 format, blocks along the last dim (or 16x16 tiles over the last two).
 
@@ -347,8 +426,11 @@ def quantize(
     ``generator`` (or torch's default generator), so a seeded generator reproduces the same bits.
     ``amax`` overrides the global absolute maximum (e.g. one all-reduced across ranks); a NaN/Inf
     amax of ``x`` itself still wins, so non-finite input stays visible.
+    ``scale_rule``: NVFP4's block scale rule, "6" (the recipe's) or "4/6" (Four Over Six, ``nvfp4_encode``);
+    MXFP4 takes "6" only.
     """
     _check_args(x, fmt, block, rounding)
+    _check_scale_rule(scale_rule, fmt)
     xf = x.float()
     rand_bits = None
     if rounding == "sr":
@@ -364,8 +446,8 @@ def quantize(
         if amax is not None:
             # A finite override must not hide NaN/Inf in x: a non-finite amax of x wins over it.
             g_amax = torch.where(torch.isfinite(g_amax), amax.detach().float().reshape(()), g_amax)
-        codes, sf = nvfp4_encode(xf, bamax, g_amax, cols, rounding, rand_bits)
-        return QTensor(codes, sf, g_amax.reshape(()).clone(), fmt, block, x.shape, x.dtype)
+        codes, sf = nvfp4_encode(xf, bamax, g_amax, cols, rounding, rand_bits, scale_rule, _BLOCK_SHAPES[block][0])
+        return QTensor(codes, sf, g_amax.reshape(()).clone(), fmt, block, x.shape, x.dtype, scale_rule)
     # MXFP4: scale = 2**(floor(log2(bamax)) - 2), an E8M0 power of two clamped to [2**-127, 2**127].
     _, e = torch.frexp(bamax)
     exp = torch.where(bamax > 0, e.to(torch.int32) - 1 - 2, torch.full_like(e, -127, dtype=torch.int32))
@@ -390,12 +472,13 @@ def block_decode(q: QTensor) -> torch.Tensor:
 
 
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The exact inverse used by the emulated GEMM: value(code) * ((sf * amax) * fp32(1/2688)) for NVFP4,
-    value(code) * scale for MXFP4."""
+    """The exact inverse used by the emulated GEMM: value(code) * ((sf * amax) * fp32(1/2688)) for NVFP4
+    (fp32(1/1536) with the scale rule "4/6"), value(code) * scale for MXFP4."""
     cols = _BLOCK_SHAPES[q.block][1]
     vals = decode_e2m1(q.codes())
     if q.fmt == "nvfp4":
-        scale = (q.scales.float() * q.amax.float()) * torch.tensor(1.0 / NVFP4_GLOBAL, dtype=torch.float32)
+        inv = 1.0 / global_constant(q.scale_rule)
+        scale = (q.scales.float() * q.amax.float()) * torch.tensor(inv, dtype=torch.float32)
     else:
         scale = q.scales.float()
     return (vals * scale.repeat_interleave(cols, dim=-1)).to(dtype)

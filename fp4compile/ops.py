@@ -159,6 +159,7 @@ def _check_amax(amax: Optional[torch.Tensor], fmt: str, x: torch.Tensor, what: s
 def quantize(
     x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str,
     amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None, layout: str = "row_major",
+    scale_rule: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (packed codes uint8 [M, K/2], block scales uint8 [M, K/block], amax fp32 0-dim).
 
@@ -175,10 +176,15 @@ def quantize(
 
     ``layout="swizzled"`` (2-D NVFP4 x): the scales in the 1-D 128x4 tiled layout CUTLASS GEMMs read
     (``fp4compile.scale_layout``), the bytes of ``formats.swizzle_scales`` of the row-major ones.
+
+    ``scale_rule`` (NVFP4): the block scale rule, "6" (the recipe's) or "4/6" (Four Over Six: each block
+    scaled to 6 or to 4, whichever dequantizes closer; amax maps to 6 * 256, ``formats.nvfp4_encode``).
+    Whatever reads the result (``dequantize``, the GEMMs' alpha) must be given the same rule.
     """
     _check_amax(amax, fmt, x, "fp4.quantize")
     scale_layout.check(layout, fmt, x, "fp4.quantize")
-    data, scales, amax = executors.run("quantize", x, fmt, block, rounding, seed, amax, seed_base, layout)
+    formats._check_scale_rule(scale_rule, fmt)
+    data, scales, amax = executors.run("quantize", x, fmt, block, rounding, seed, amax, seed_base, layout, scale_rule)
     _check_finite(check, amax, x)
     return data, scales, amax
 
@@ -192,7 +198,7 @@ def _check_finite(check: str, amax: torch.Tensor, x: torch.Tensor, rht_size: int
 
 
 @quantize.register_fake
-def _quantize_fake(x, fmt, block, rounding, seed, check, amax=None, seed_base=None, layout="row_major"):
+def _quantize_fake(x, fmt, block, rounding, seed, check, amax=None, seed_base=None, layout="row_major", scale_rule="6"):
     cols = formats._BLOCK_SHAPES[block][1]
     shape = x.shape[:-1]
     rows = x.shape[0] if x.dim() == 2 else 0
@@ -207,6 +213,7 @@ def _quantize_fake(x, fmt, block, rounding, seed, check, amax=None, seed_base=No
 def rht_quantize(
     x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str,
     amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None, layout: str = "row_major",
+    scale_rule: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``fp4.quantize(fp4.rht(x, size), ...)`` in one op: what the weight-gradient operands need.
 
@@ -215,17 +222,19 @@ def rht_quantize(
     1x32 one Triton kernel, that reads x, transforms it summing in the reference's order, and quantizes)
     the RHT output is never written out. Elsewhere the op runs ``formats.rht`` and then the quantizer.
     A given ``amax`` (NVFP4) is that of ``formats.rht(x, size)`` (``fp4.wgrad_amax``'s second result);
-    ``seed_base`` and ``layout`` as ``fp4.quantize``.
+    ``seed_base``, ``layout`` and ``scale_rule`` as ``fp4.quantize``.
     """
     _check_amax(amax, fmt, x, "fp4.rht_quantize")
     scale_layout.check(layout, fmt, x, "fp4.rht_quantize")
-    data, scales, amax = executors.run("rht_quantize", x, size, fmt, block, rounding, seed, amax, seed_base, layout)
+    formats._check_scale_rule(scale_rule, fmt)
+    data, scales, amax = executors.run("rht_quantize", x, size, fmt, block, rounding, seed, amax, seed_base, layout,
+                                       scale_rule)
     _check_finite(check, amax, x, size)
     return data, scales, amax
 
 
 @rht_quantize.register_fake
-def _(x, size, fmt, block, rounding, seed, check, amax=None, seed_base=None, layout="row_major"):
+def _(x, size, fmt, block, rounding, seed, check, amax=None, seed_base=None, layout="row_major", scale_rule="6"):
     return _quantize_fake(x, fmt, block, rounding, seed, check, layout=layout)
 
 
@@ -253,39 +262,41 @@ def _(x, size):
 @_kernel_op("fp4::fake_quantize")
 def fake_quantize(
     x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int, check: str,
-    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None,
+    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None, scale_rule: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block-decoded ``fp4.quantize(x, ...)`` in bfloat16 with x's shape, amax): the same codes and
     scales, handed to the emulated GEMM already decoded (``fp4.emulated_mm``). Where a kernel takes the
     call (on CUDA, NVFP4: one Triton pass after the amax pass) the packed codes are never written and
     no separate decode pass runs. Seeds, the ``check`` label and a given ``amax`` as ``fp4.quantize``."""
     _check_amax(amax, fmt, x, "fp4.fake_quantize")
-    decoded, amax = executors.run("fake_quantize", x, fmt, block, rounding, seed, amax, seed_base)
+    formats._check_scale_rule(scale_rule, fmt)
+    decoded, amax = executors.run("fake_quantize", x, fmt, block, rounding, seed, amax, seed_base, scale_rule)
     _check_finite(check, amax, x)
     return decoded, amax
 
 
 @fake_quantize.register_fake
-def _(x, fmt, block, rounding, seed, check, amax=None, seed_base=None):
+def _(x, fmt, block, rounding, seed, check, amax=None, seed_base=None, scale_rule="6"):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
 
 
 @_kernel_op("fp4::fake_rht_quantize")
 def fake_rht_quantize(
     x: torch.Tensor, size: int, fmt: str, block: str, rounding: str, seed: int, check: str,
-    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None,
+    amax: Optional[torch.Tensor] = None, seed_base: Optional[torch.Tensor] = None, scale_rule: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(block-decoded ``fp4.rht_quantize(x, size, ...)`` in bfloat16, amax): the weight-gradient operand
     as ``fp4.emulated_mm`` reads it. On CUDA (NVFP4) the fused transpose + RHT + quantize kernel writes
     the decoded values directly. A given ``amax`` as ``fp4.rht_quantize``."""
     _check_amax(amax, fmt, x, "fp4.fake_rht_quantize")
-    decoded, amax = executors.run("fake_rht_quantize", x, size, fmt, block, rounding, seed, amax, seed_base)
+    formats._check_scale_rule(scale_rule, fmt)
+    decoded, amax = executors.run("fake_rht_quantize", x, size, fmt, block, rounding, seed, amax, seed_base, scale_rule)
     _check_finite(check, amax, x, size)
     return decoded, amax
 
 
 @fake_rht_quantize.register_fake
-def _(x, size, fmt, block, rounding, seed, check, amax=None, seed_base=None):
+def _(x, size, fmt, block, rounding, seed, check, amax=None, seed_base=None, scale_rule="6"):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((), dtype=torch.float32)
 
 
@@ -293,7 +304,7 @@ def _(x, size, fmt, block, rounding, seed, check, amax=None, seed_base=None):
 def fake_dual_quantize(
     x: torch.Tensor, size: int, fmt: str, rounding: str, seed: int, check: str,
     rounding_t: str, seed_t: int, check_t: str, amax: torch.Tensor, amax_t: torch.Tensor,
-    seed_base: Optional[torch.Tensor] = None, seed_base_t: Optional[torch.Tensor] = None,
+    seed_base: Optional[torch.Tensor] = None, seed_base_t: Optional[torch.Tensor] = None, scale_rule: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``fp4.fake_quantize(x, fmt, "1x16", rounding, seed, check, amax)[0]``,
     ``fp4.fake_rht_quantize(x.t(), size, fmt, "1x16", rounding_t, seed_t, check_t, amax_t)[0]``): a
@@ -304,8 +315,10 @@ def fake_dual_quantize(
     seed_base_t = seed_base if seed_base_t is None else seed_base_t
     _check_amax(amax, fmt, x, "fp4.fake_dual_quantize")
     _check_amax(amax_t, fmt, x, "fp4.fake_dual_quantize")
+    formats._check_scale_rule(scale_rule, fmt)
     rows, transformed = executors.run(
-        "fake_dual_quantize", x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base, seed_base_t
+        "fake_dual_quantize", x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base, seed_base_t,
+        scale_rule,
     )
     _check_finite(check, amax, x)
     _check_finite(check_t, amax_t, x.t(), size)
@@ -314,7 +327,7 @@ def fake_dual_quantize(
 
 @fake_dual_quantize.register_fake
 def _(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t, seed_base=None,
-      seed_base_t=None):
+      seed_base_t=None, scale_rule="6"):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((x.shape[1], x.shape[0]), dtype=torch.bfloat16)
 
 
@@ -359,14 +372,15 @@ def _(data, scales):
 
 @_custom_op("fp4::dequantize")
 def dequantize(
-    data: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, fmt: str, block: str, dtype: torch.dtype
+    data: torch.Tensor, scales: torch.Tensor, amax: torch.Tensor, fmt: str, block: str, dtype: torch.dtype,
+    scale_rule: str = "6",
 ) -> torch.Tensor:
     shape = (*data.shape[:-1], data.shape[-1] * 2)
-    return formats.dequantize(_qtensor(data, scales, amax, fmt, block, shape), dtype)
+    return formats.dequantize(_qtensor(data, scales, amax, fmt, block, shape, scale_rule=scale_rule), dtype)
 
 
 @dequantize.register_fake
-def _(data, scales, amax, fmt, block, dtype):
+def _(data, scales, amax, fmt, block, dtype, scale_rule="6"):
     return data.new_empty((*data.shape[:-1], data.shape[-1] * 2), dtype=dtype)
 
 
@@ -403,32 +417,35 @@ def scaled_mm(
     fmt: str,
     out_dtype: torch.dtype,
     kernel: str,
+    scale_rule: str = "6",
 ) -> torch.Tensor:
     """C = A @ B.T for packed FP4 operands A [M, K/2], B [N, K/2] (or batched [..., M, K/2], [..., N, K/2]);
-    ``kernel`` names the implementation chosen at compile time (``executors.choose_gemm``)."""
-    return executors.run_scaled_mm(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype)
+    ``kernel`` names the implementation chosen at compile time (``executors.choose_gemm``); ``scale_rule``:
+    the operands' NVFP4 block scale rule, which sets alpha's constant (``formats.gemm_alpha``)."""
+    return executors.run_scaled_mm(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule)
 
 
 @scaled_mm.register_fake
-def _(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, kernel):
+def _(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, kernel, scale_rule="6"):
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)
 
 
 @_kernel_op("fp4::emulated_mm")
 def emulated_mm(
-    a: torch.Tensor, a_amax: torch.Tensor, b: torch.Tensor, b_amax: torch.Tensor, fmt: str, out_dtype: torch.dtype
+    a: torch.Tensor, a_amax: torch.Tensor, b: torch.Tensor, b_amax: torch.Tensor, fmt: str, out_dtype: torch.dtype,
+    scale_rule: str = "6",
 ) -> torch.Tensor:
     """C = A @ B.T for block-decoded operands A [M, K], B [N, K] (bfloat16, from ``fp4.fake_quantize``):
     fp32 accumulation, then alpha = ``formats.gemm_alpha(a_amax, b_amax)`` (NVFP4) once, cast to
     ``out_dtype``; the arithmetic of ``fp4.scaled_mm``'s emulation on the same operands. On CUDA: one
     cuBLASLt GEMM with alpha in its epilogue where ``codegen.cublaslt_gemm`` runs, else ``torch.mm``
     with an fp32 output and the Triton epilogue kernel (``triton_kernels.emulated_scaled_mm``), which the
-    ``lower_kernels`` pass puts into the graph Inductor compiles."""
-    return executors.run("emulated_mm", a, a_amax, b, b_amax, fmt, out_dtype)
+    ``lower_kernels`` pass puts into the graph Inductor compiles. ``scale_rule`` as ``fp4.scaled_mm``."""
+    return executors.run("emulated_mm", a, a_amax, b, b_amax, fmt, out_dtype, scale_rule)
 
 
 @emulated_mm.register_fake
-def _(a, a_amax, b, b_amax, fmt, out_dtype):
+def _(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6"):
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)
 
 

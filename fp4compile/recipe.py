@@ -10,6 +10,7 @@ from typing import Optional, Sequence, Union
 BlockCount = Union[int, float, None]
 
 FORMATS = ("nvfp4", "mxfp4")
+BLOCK_SCALE_RULES = ("6", "4/6")
 HIGH = "high"
 _BOOL_FIELDS = ("rht", "stochastic_rounding", "weight_2d", "quantize_backward", "check_finite",
                 "high_precision_outside_blocks", "include_activation_matmuls", "decoded_operands", "share_weight",
@@ -67,6 +68,12 @@ class Recipe:
         CUTLASS kernel (a shape or format the kernels do not take, a failed build, load or first-use
         self-test) run in emulation, with one ``PlanWarning`` per reason. False (the default): such a
         GEMM is an error naming the reason. No effect on other devices, where emulation is the kernel.
+    block_scale_rule: NVFP4's block scale rule for every FP4 operand: "6" (the recipe's: each block's
+        maximum scaled to 6) or "4/6" (Four Over Six: each block scaled to 6 or to 4, whichever has the
+        smaller squared error after dequantization; the per-tensor scale maps amax to 6 x 256, which
+        dequantization, the GEMMs' alpha and export follow; docs/numerics.md). One rule for all roles: the
+        weight quantized once serves fprop and dgrad, and a GEMM's alpha takes both operands' constant.
+        MXFP4 takes "6" only. CUTLASS kernels compute alpha for "6": with "4/6" GEMMs run emulated.
     """
 
     fmt: str = "nvfp4"
@@ -88,6 +95,7 @@ class Recipe:
     amax_history: int = 16
     allow_emulation: bool = False
     high_precision_routers: bool = True
+    block_scale_rule: str = "6"
 
     def __post_init__(self):
         # Every field is checked here, so that a wrong value (a string "false", which is truthy) fails
@@ -111,6 +119,13 @@ class Recipe:
             raise ValueError(f"Recipe.switch_to_high_precision_at must be a step >= 0 or None, got {self.switch_to_high_precision_at}")
         if self.amax_history < 0:
             raise ValueError(f"Recipe.amax_history must be a number of steps >= 0 (0: no recording), got {self.amax_history}")
+        if not isinstance(self.block_scale_rule, str) or self.block_scale_rule not in BLOCK_SCALE_RULES:
+            raise ValueError(f"Recipe.block_scale_rule must be one of {BLOCK_SCALE_RULES}, got {self.block_scale_rule!r}")
+        if self.block_scale_rule != "6" and self.fmt != "nvfp4":
+            raise ValueError(
+                f"Recipe.block_scale_rule={self.block_scale_rule!r} (Four Over Six) is an NVFP4 rule; fmt={self.fmt!r} "
+                "has power-of-two block scales and no per-tensor scale: use block_scale_rule='6' with it"
+            )
         if self.rht_size != 16:
             raise ValueError(f"Recipe.rht_size: only 16-point transforms are supported, got {self.rht_size}")
         for name in ("high_precision_first_blocks", "high_precision_last_blocks"):

@@ -16,7 +16,7 @@ import torch
 from . import formats, runtime, scale_layout
 
 
-def qtensor(data, scales, amax, fmt: str, block: str, shape, dtype=torch.float32) -> formats.QTensor:
+def qtensor(data, scales, amax, fmt: str, block: str, shape, dtype=torch.float32, scale_rule: str = "6") -> formats.QTensor:
     """The ``formats.QTensor`` of packed codes and scale bytes (any byte dtype)."""
     scale_dtype = torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu
     return formats.QTensor(
@@ -27,6 +27,7 @@ def qtensor(data, scales, amax, fmt: str, block: str, shape, dtype=torch.float32
         block,
         torch.Size(shape),
         dtype,
+        scale_rule,
     )
 
 
@@ -46,11 +47,12 @@ def host_stream(x: torch.Tensor, rounding: str, node: int, what: str) -> int:
 
 def quantize(x: torch.Tensor, fmt: str, block: str, rounding: str, seed: int,
              amax: Optional[torch.Tensor] = None, seed_base=None, layout: str = scale_layout.ROW_MAJOR,
-             what: str = "fp4.quantize") -> tuple:
+             scale_rule: str = "6", what: str = "fp4.quantize") -> tuple:
     """(packed codes uint8, scale bytes uint8 in ``layout``, amax) of ``formats.quantize`` with the node's
     SR stream; ``amax``: x's own amax computed by an earlier node. ``seed_base`` is unused (the host
-    reads the base)."""
-    q = formats.quantize(x, fmt, block, rounding, seed=host_stream(x, rounding, seed, what), amax=amax)
+    reads the base). ``scale_rule``: NVFP4's block scale rule ("6" or "4/6", ``formats.quantize``)."""
+    q = formats.quantize(x, fmt, block, rounding, seed=host_stream(x, rounding, seed, what), amax=amax,
+                         scale_rule=scale_rule)
     amax = q.amax if q.amax is not None else x.float().abs().amax()
     return q.data.view(torch.uint8), scale_layout.arrange(q.scales.view(torch.uint8), layout), amax
 
@@ -82,18 +84,21 @@ def decode_blocks(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return block_decode(data, scales, None, "nvfp4").to(torch.bfloat16)
 
 
-def decoded_product(a_bd, a_amax, b_bd, b_amax, fmt: str, out_dtype: torch.dtype) -> torch.Tensor:
-    """A_bd @ B_bd.T of block-decoded operands in fp32, times alpha (NVFP4, ``formats.gemm_alpha``), cast."""
+def decoded_product(a_bd, a_amax, b_bd, b_amax, fmt: str, out_dtype: torch.dtype, scale_rule: str = "6") -> torch.Tensor:
+    """A_bd @ B_bd.T of block-decoded operands in fp32, times alpha (NVFP4, ``formats.gemm_alpha`` of the
+    operands' block scale rule), cast."""
     acc = a_bd.float() @ b_bd.float().transpose(-2, -1)
     if fmt == "nvfp4":
-        acc = acc * formats.gemm_alpha(a_amax, b_amax)
+        acc = acc * formats.gemm_alpha(a_amax, b_amax, scale_rule)
     return acc.to(out_dtype)
 
 
-def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype):
+def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype,
+                        scale_rule: str = "6"):
     """Emulated block-scaled FP4 GEMM: (block-decoded A) @ (block-decoded B).T with fp32 accumulation,
     then alpha = ``formats.gemm_alpha(amax_A, amax_B)`` (NVFP4) applied once, as a Blackwell epilogue does.
     Batched operands [..., M, K/2] and [..., N, K/2] (activation matmuls) multiply per leading index."""
     return decoded_product(
-        block_decode(a, a_scales, a_amax, fmt), a_amax, block_decode(b, b_scales, b_amax, fmt), b_amax, fmt, out_dtype
+        block_decode(a, a_scales, a_amax, fmt), a_amax, block_decode(b, b_scales, b_amax, fmt), b_amax, fmt, out_dtype,
+        scale_rule,
     )

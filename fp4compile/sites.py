@@ -53,12 +53,14 @@ def bound_arguments(node: torch.fx.Node) -> dict:
     return values
 
 
-def call_unpacked(graph: torch.fx.Graph, target, args, outputs: int) -> tuple:
+def call_unpacked(graph: torch.fx.Graph, target, args, outputs: int, kwargs: Optional[dict] = None) -> tuple:
     """(node, [getitem nodes 0 .. outputs-1]) for a multi-output op inserted at the graph's insert point,
-    each with its ``meta["val"]`` from the op's fake implementation (the inputs' values are FakeTensors)."""
-    node = graph.call_function(target, tuple(args))
+    each with its ``meta["val"]`` from the op's fake implementation (the inputs' values are FakeTensors);
+    ``kwargs``: constant keyword arguments."""
+    kwargs = dict(kwargs or {})
+    node = graph.call_function(target, tuple(args), kwargs)
     items = [graph.call_function(operator.getitem, (node, j)) for j in range(outputs)]
-    node.meta["val"] = target(*example_values(args))
+    node.meta["val"] = target(*example_values(args), **kwargs)
     for j, item in enumerate(items):
         item.meta["val"] = node.meta["val"][j]
     return node, items

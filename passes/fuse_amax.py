@@ -163,8 +163,9 @@ def _make_dual(gm: fx.GraphModule, rows: fx.Node, transformed: fx.Node, base: fx
     _, fmt, _, rounding, seed, check, _ = rows.args
     size, _, _, rounding_t, seed_t, check_t, _ = transformed.args[1:]
     args = (base, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, *amaxes)
+    rule = {k: v for k, v in rows.kwargs.items() if k == "scale_rule"}
     with gm.graph.inserting_before(first):
-        dual, outputs = call_unpacked(gm.graph, FAKE_DUAL_QUANTIZE, args, 2)
+        dual, outputs = call_unpacked(gm.graph, FAKE_DUAL_QUANTIZE, args, 2, rule)
     dual.meta["fp4_quantize"] = dict(rows.meta.get("fp4_quantize", {}), dual=True)
     dual.meta["fp4_quantize_rht"] = dict(transformed.meta.get("fp4_quantize", {}), dual=True)
     for old, decoded, amax in ((rows, outputs[0], amaxes[0]), (transformed, outputs[1], amaxes[1])):

@@ -18,6 +18,8 @@ hands it to the quantizer of X in fprop and of RHT(X^T) in wgrad (NVFP4 1x16, RH
 sharded) as their ``amax`` argument, recorded in their metadata (``amax``); it is dropped otherwise.
 A fprop GEMM given ``x_history`` (``linear(..., amax_history=...)``) leaves it on the quantize node of X
 (metadata ``fp4_amax_history``) for ``record_ranges``, which records that quantizer's amax into it.
+With ``Recipe(block_scale_rule="4/6")`` every NVFP4 quantize and dequantize node takes
+``scale_rule="4/6"`` (a keyword argument, which the later passes keep), and its metadata records it.
 """
 
 from __future__ import annotations
@@ -55,11 +57,19 @@ def operand_seed_and_label(recipe, site, role: str, i: int) -> tuple[int, str, s
     return seed, label, operand_name
 
 
-def _dequantize(gm: fx.GraphModule, node: fx.Node, parts: list, fmt: str, block: str) -> fx.Node:
-    """fp4.dequantize of the (codes, scales, amax) nodes ``parts`` (with ``val`` metadata), before ``node``."""
+def scale_rule_kwargs(recipe, fmt: str) -> dict:
+    """The keyword arguments that give an NVFP4 op node the recipe's block scale rule (none for "6", the
+    ops' default, so graphs of the default recipe are unchanged)."""
+    rule = getattr(recipe, "block_scale_rule", "6")
+    return {"scale_rule": rule} if fmt == "nvfp4" and rule != "6" else {}
+
+
+def _dequantize(gm: fx.GraphModule, node: fx.Node, parts: list, fmt: str, block: str, rule: dict) -> fx.Node:
+    """fp4.dequantize of the (codes, scales, amax) nodes ``parts`` (with ``val`` metadata), before ``node``;
+    ``rule``: the block scale rule's keyword arguments (``scale_rule_kwargs``)."""
     with gm.graph.inserting_before(node):
-        dq = gm.graph.call_function(DEQUANTIZE, (*parts, fmt, block, torch.float32))
-    dq.meta["val"] = DEQUANTIZE(*(p.meta["val"] for p in parts), fmt, block, torch.float32)
+        dq = gm.graph.call_function(DEQUANTIZE, (*parts, fmt, block, torch.float32), dict(rule))
+    dq.meta["val"] = DEQUANTIZE(*(p.meta["val"] for p in parts), fmt, block, torch.float32, **rule)
     return dq
 
 
@@ -105,6 +115,7 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             x_history = _graph_input(gm, node.meta[HISTORY_INPUT])  # in the forward; not in a recomputation
         new_args = list(node.args[:5])
         activation = site.kind == "activation_matmul"
+        rule = scale_rule_kwargs(recipe, info.precision)
         for i in (0, 1):
             operand = node.args[i]
             block, rounding = info.blocks[i], info.rounding[i]
@@ -113,7 +124,7 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             tensor = OPERAND_TENSORS[info.role][i]
             group = distributed.group_key(site.name, tensor, ctx.sharded_amax) if info.precision == "nvfp4" and not activation else None
             meta = {"site": site.name, "role": info.role, "operand": operand_name, "block": block, "rounding": rounding,
-                    "amax_group": group}
+                    "amax_group": group, **rule}
             given = _given_x_amax(info, i, x_amax, group)
             if given is not None:
                 args = (*args, given)
@@ -123,19 +134,19 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                     source, parts = _transposed(gm, node, shared)
                 else:
                     source, parts = (shared[0].args[0] if shared[0].target is operator.getitem else shared[0]), shared
-                new_args[i] = _dequantize(gm, node, parts, info.precision, block)
+                new_args[i] = _dequantize(gm, node, parts, info.precision, block, rule)
                 source.meta["fp4_quantize"] = dict(meta, amax_group=None, shared="fprop+dgrad")
                 inserted += 1
                 continue
             with gm.graph.inserting_before(node):
                 if group is None:
-                    q, parts = call_unpacked(gm.graph, QUANTIZE, args, 3)
+                    q, parts = call_unpacked(gm.graph, QUANTIZE, args, 3, rule)
                 else:
-                    q, parts = call_unpacked(gm.graph, QUANTIZE_SHARDED, (*args, group), 3)
+                    q, parts = call_unpacked(gm.graph, QUANTIZE_SHARDED, (*args, group), 3, rule)
             q.meta["fp4_quantize"] = meta
             if i == 0 and x_history is not None and info.precision == "nvfp4":
                 q.meta["fp4_amax_history"] = x_history
-            new_args[i] = _dequantize(gm, node, parts, info.precision, block)
+            new_args[i] = _dequantize(gm, node, parts, info.precision, block, rule)
             inserted += 1
         node.args = tuple(new_args)
     ctx.note(f"graph {ctx.graph_id}: inserted {inserted} quantize nodes")

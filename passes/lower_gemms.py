@@ -164,6 +164,9 @@ def _quantizer_decodes(gm: fx.GraphModule, mm: fx.Node, index: int) -> bool:
         return False
     with gm.graph.inserting_before(q):
         fq, (decoded, fq_amax) = call_unpacked(gm.graph, _DECODED_BY[q.target], q.args, 2)
+    # The block scale rule (a keyword argument) goes with it; the scales' layout does not apply.
+    if "scale_rule" in q.kwargs:
+        fq.update_kwarg("scale_rule", q.kwargs["scale_rule"])
     fq.meta.update({k: v for k, v in q.meta.items() if k not in ("val", "eager_input_vals")})
     if "fp4_quantize" in q.meta:
         fq.meta["fp4_quantize"] = dict(q.meta["fp4_quantize"], decoded=True)
@@ -195,9 +198,13 @@ def lower_gemms(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         (m, k), n = aval.shape[-2:], b.meta["val"].shape[-2]
         device = node.meta["val"].device
         batched = aval.dim() > 2
+        # The operands' block scale rule (their dequantize nodes': insert_quantize) sets alpha's constant.
+        rule = {key: v for key, v in a.kwargs.items() if key == "scale_rule"}
+        if rule != {key: v for key, v in b.kwargs.items() if key == "scale_rule"}:
+            raise AssertionError(f"lower_gemms: {node.name}'s operands were quantized with different block scale rules")
         try:
             choice = executors.choose_gemm(m, n, k, info.precision, dtype, device, ctx.recipe.allow_emulation,
-                                           batched=batched)
+                                           batched=batched, scale_rule=rule.get("scale_rule", "6"))
         except executors.CutlassRequired as exc:
             site = ctx.sites[node.args[3]]
             shape = "x".join(str(d) for d in info.shape)
@@ -214,7 +221,7 @@ def lower_gemms(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         else:
             target, args = SCALED_MM, (*a.args[:3], *b.args[:3], info.precision, dtype, choice.name)
         with gm.graph.inserting_before(node):
-            mm = gm.graph.call_function(target, args)
+            mm = gm.graph.call_function(target, args, rule)
         mm.meta.update({k: v for k, v in node.meta.items() if k != "eager_input_vals"})
         node.replace_all_uses_with(mm)
         gm.graph.erase_node(node)

@@ -42,7 +42,7 @@ from fp4compile import distributed, executors, scale_layout
 from fp4compile.sites import CompileContext, bound_arguments, call_unpacked, example_tensor
 
 from . import fuse_amax
-from .insert_quantize import HISTORY_INPUT, operand_seed_and_label
+from .insert_quantize import HISTORY_INPUT, operand_seed_and_label, scale_rule_kwargs
 from .plan_gemm_roles import gemm_nodes
 
 QUANTIZE = torch.ops.fp4.quantize.default
@@ -66,20 +66,21 @@ def _behind_transpose(node) -> Optional[fx.Node]:
     return None
 
 
-def _layout(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> str:
+def _layout(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, scale_rule: str = "6") -> str:
     """The scale layout of the shared weight: tiled where fprop gets a CUTLASS kernel, else row-major.
     A symbolic token count is read at its hint, as ``lower_gemms`` reads it."""
     if weight.dim() != 2 or not all(isinstance(d, int) for d in weight.shape):
         return scale_layout.ROW_MAJOR
     (n, k), m = weight.shape, x.shape[0]
-    choice = executors.choose_gemm(m, n, k, "nvfp4", dtype, x.device)
+    choice = executors.choose_gemm(m, n, k, "nvfp4", dtype, x.device, scale_rule=scale_rule)
     return scale_layout.SWIZZLED if executors.is_cutlass_kernel(choice.name) else scale_layout.ROW_MAJOR
 
 
-def _insert(graph: fx.Graph, before: fx.Node, target, args: tuple, outputs: int, tags: dict) -> list:
-    """getitem nodes of ``target(*args)`` inserted before ``before`` (``call_unpacked``), with ``tags``."""
+def _insert(graph: fx.Graph, before: fx.Node, target, args: tuple, outputs: int, tags: dict,
+            kwargs: Optional[dict] = None) -> list:
+    """getitem nodes of ``target(*args, **kwargs)`` inserted before ``before`` (``call_unpacked``), with ``tags``."""
     with graph.inserting_before(before):
-        node, items = call_unpacked(graph, target, args, outputs)
+        node, items = call_unpacked(graph, target, args, outputs, kwargs)
     for n in (node, *items):
         n.meta.update(tags)
     return items
@@ -132,10 +133,12 @@ def plan_sharing(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         dgrad, wgrad = roles.get("dgrad"), roles.get("wgrad")
         if dgrad is not None and _shares_weight(ctx, site) and _behind_transpose(bound_arguments(dgrad)["b"]) is weight:
             seed, label, _ = operand_seed_and_label(ctx.recipe, site, "fprop", 1)
-            layout = _layout(example_tensor(x), example_tensor(weight), args["dtype"])
-            parts = _insert(gm.graph, fprop, QUANTIZE, (weight, "nvfp4", "16x16", "rne", seed, label, None, None, layout), 3, tags)
+            layout = _layout(example_tensor(x), example_tensor(weight), args["dtype"], ctx.recipe.block_scale_rule)
+            rule = scale_rule_kwargs(ctx.recipe, "nvfp4")
+            parts = _insert(gm.graph, fprop, QUANTIZE, (weight, "nvfp4", "16x16", "rne", seed, label, None, None, layout), 3, tags,
+                            rule)
             parts[0].args[0].meta["fp4_quantize"] = {"site": site.name, "role": "fprop", "operand": "W", "block": "16x16",
-                                                     "rounding": "rne", "amax_group": None, "shared": "fprop+dgrad"}
+                                                     "rounding": "rne", "amax_group": None, "shared": "fprop+dgrad", **rule}
             _set(fprop, b_codes=parts[0], b_scales=parts[1], b_amax=parts[2])
             _set(dgrad, b_codes=parts[0], b_scales=parts[1], b_amax=parts[2])
             shared += 1

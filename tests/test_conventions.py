@@ -128,6 +128,7 @@ def test_the_string_form_rejects_what_the_instance_form_rejects():
         ("share_weight", "true"),
         ("allow_emulation", 1),
         ("high_precision_routers", "yes"),
+        ("block_scale_rule", 4),
     ],
 )
 def test_every_recipe_field_is_checked_at_construction(field, value):

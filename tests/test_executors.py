@@ -155,9 +155,9 @@ def test_a_user_quantizer_is_chosen_run_and_reported(fresh_dynamo):
             return False, f"only NVFP4, not {fmt}"
         return True, "the counting quantizer takes NVFP4 on any device"
 
-    def quantize(x, fmt, block, rounding, seed, amax=None, seed_base=None, layout="row_major"):
+    def quantize(x, fmt, block, rounding, seed, amax=None, seed_base=None, layout="row_major", scale_rule="6"):
         calls.append(block)
-        return reference.quantize(x, fmt, block, rounding, seed, amax, seed_base, layout)
+        return reference.quantize(x, fmt, block, rounding, seed, amax, seed_base, layout, scale_rule)
 
     executors.register("quantize", "counting", check, quantize, after="triton")
     try:

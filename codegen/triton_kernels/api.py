@@ -96,11 +96,15 @@ def _quantize_passes(launch, own_amax_bits, amax: Optional[torch.Tensor], device
     return result.reshape(())
 
 
-def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake, amax_is_own=False):
+def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake, amax_is_own=False, scale_rule="6"):
     _require_triton()
+    if scale_rule not in ("6", "4/6"):
+        raise ValueError(f"{what}: scale_rule must be '6' or '4/6', got {scale_rule!r}")
+    four_six = scale_rule == "4/6"
     x2 = _as_rows(x, what, tile_rows, pair_words=tile_rows == 1)
     m, k = x2.shape
-    cfg = CONFIGS["quantize_tiles" if tile_rows > 1 else "fake_rows" if fake else "quantize_rows"]
+    # Four Over Six quantizes 1x16 blocks as one-row tiles, through the tile kernel's path.
+    cfg = CONFIGS["quantize_tiles" if tile_rows > 1 or four_six else "fake_rows" if fake else "quantize_rows"]
     data, scales, bd = _output_buffers(m, k, swizzle, fake, x2.device)
     seed_args = _seed_args(rounding, seed, x2, bd)
     iters = cfg.get("ITERS", 1)
@@ -112,7 +116,7 @@ def _quantize_rows(x, what, tile_rows, rounding, seed, amax, swizzle, fake, amax
             _quantize_rows_kernel, grid,
             x2, amax_ptr, own_ptr, out_amax_ptr, data, scales, bd, m, k, x2.stride(0), **seed_args,
             TILE_ROWS=tile_rows, SR=rounding == "sr", SWIZZLE=swizzle, FAKE=fake, PASS=pass_,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=iters, E4M3=e4m3, **order,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=iters, E4M3=e4m3, FOUR_SIX=four_six, **order,
             **_launch_options(cfg),
         )
 
@@ -172,7 +176,7 @@ def wgrad_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_1x16(
     x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
-    swizzle: bool = False, amax_is_own: bool = False,
+    swizzle: bool = False, amax_is_own: bool = False, scale_rule: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 with 1x16 blocks along the last dim: (codes uint8 [..., K/2], scales uint8, amax fp32 0-dim).
 
@@ -183,18 +187,18 @@ def quantize_1x16(
     A given ``amax`` is checked against the tensor's own (a second pass over a per-tile maximum; a
     non-finite own amax wins). ``amax_is_own=True`` says it *is* x's own abs max, computed elsewhere
     (by ``global_amax``, ``wgrad_amax`` or the operand's producer): then one quantizing pass reads x
-    once and does nothing else.
+    once and does nothing else. ``scale_rule="4/6"``: Four Over Six block scales (``formats.nvfp4_encode``).
     """
-    return _quantize_rows(x, "quantize_1x16", 1, rounding, seed, amax, swizzle, False, amax_is_own)
+    return _quantize_rows(x, "quantize_1x16", 1, rounding, seed, amax, swizzle, False, amax_is_own, scale_rule)
 
 
 def quantize_16x16(
     w: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
-    swizzle: bool = False, amax_is_own: bool = False,
+    swizzle: bool = False, amax_is_own: bool = False, scale_rule: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 with 16x16 tiles over the last two dims (scales repeated on each row of a tile, as formats);
-    ``amax`` and ``amax_is_own`` as ``quantize_1x16``."""
-    return _quantize_rows(w, "quantize_16x16", 16, rounding, seed, amax, swizzle, False, amax_is_own)
+    ``amax``, ``amax_is_own`` and ``scale_rule`` as ``quantize_1x16``."""
+    return _quantize_rows(w, "quantize_16x16", 16, rounding, seed, amax, swizzle, False, amax_is_own, scale_rule)
 
 
 def quantize_wgrad_operand(
@@ -265,18 +269,18 @@ def quantize_wgrad_operand_mxfp4(
 
 def fake_quantize_1x16(
     x: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
-    amax_is_own: bool = False,
+    amax_is_own: bool = False, scale_rule: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(value(code) * block scale as bf16 with x's shape, amax): ``formats.block_decode`` of quantize_1x16."""
-    return _quantize_rows(x, "fake_quantize_1x16", 1, rounding, seed, amax, False, True, amax_is_own)
+    return _quantize_rows(x, "fake_quantize_1x16", 1, rounding, seed, amax, False, True, amax_is_own, scale_rule)
 
 
 def fake_quantize_16x16(
     w: torch.Tensor, rounding: str = "rne", seed: Seed = None, amax: Optional[torch.Tensor] = None,
-    amax_is_own: bool = False,
+    amax_is_own: bool = False, scale_rule: str = "6",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(value(code) * tile scale as bf16, amax) for 16x16 tiles."""
-    return _quantize_rows(w, "fake_quantize_16x16", 16, rounding, seed, amax, False, True, amax_is_own)
+    return _quantize_rows(w, "fake_quantize_16x16", 16, rounding, seed, amax, False, True, amax_is_own, scale_rule)
 
 
 def fake_quantize_wgrad_operand(
@@ -384,21 +388,22 @@ def transpose_tiles(
     return out_data, out_scales
 
 
-def gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor, count: int = 1) -> torch.Tensor:
-    """``formats.gemm_alpha(amax_a, amax_b)`` on the device, repeated ``count`` times (fp32 [count])."""
+def gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor, count: int = 1, scale_rule: str = "6") -> torch.Tensor:
+    """``formats.gemm_alpha(amax_a, amax_b, scale_rule)`` on the device, repeated ``count`` times (fp32 [count])."""
     _require_triton()
     amax_a = amax_a.detach().to(torch.float32).reshape(1)
     amax_b = amax_b.detach().to(amax_a.device, torch.float32).reshape(1)
     alpha = torch.empty(max(count, 1), dtype=torch.float32, device=amax_a.device)
     block = 1024
     grid = (triton.cdiv(alpha.numel(), block),)
-    _launch(_alpha_kernel, grid, amax_a, amax_b, alpha, alpha.numel(), BLOCK=block, num_warps=4)
+    _launch(_alpha_kernel, grid, amax_a, amax_b, alpha, alpha.numel(), BLOCK=block, FOUR_SIX=scale_rule == "4/6",
+            num_warps=4)
     return alpha
 
 
 def emulated_scaled_mm(
     a_bd: torch.Tensor, amax_a: torch.Tensor, b_bd: torch.Tensor, amax_b: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype = torch.bfloat16, scale_rule: str = "6",
 ) -> torch.Tensor:
     """C = A @ B^T for block-decoded operands A [M, K], B [N, K] (bf16, from fake_quantize_* or block_decode).
 
@@ -411,11 +416,11 @@ def emulated_scaled_mm(
     _require_triton()
     if a_bd.dim() != 2 or b_bd.dim() != 2 or a_bd.shape[1] != b_bd.shape[1]:
         raise ValueError(f"emulated_scaled_mm needs A [M, K] and B [N, K], got {tuple(a_bd.shape)} and {tuple(b_bd.shape)}")
-    return _mm_then_epilogue(a_bd, b_bd, amax_a, amax_b, out_dtype)
+    return _mm_then_epilogue(a_bd, b_bd, amax_a, amax_b, out_dtype, scale_rule)
 
 
 def _mm_then_epilogue(a_bd: torch.Tensor, b_bd: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor,
-                      out_dtype: torch.dtype):
+                      out_dtype: torch.dtype, scale_rule: str = "6"):
     """``cast(alpha * (A @ B^T))``: the GEMM with an fp32 output, then ``_epilogue_kernel``, which
     computes alpha from the two amaxes."""
     amax_a = amax_a.detach().to(a_bd.device, torch.float32).reshape(1)
@@ -430,13 +435,13 @@ def _mm_then_epilogue(a_bd: torch.Tensor, b_bd: torch.Tensor, amax_a: torch.Tens
     if n == 0:  # no tokens (or no outputs): nothing to launch
         return out
     _launch(_epilogue_kernel, (triton.cdiv(n, cfg["BLOCK"]),), acc, amax_a, amax_b, out, n, BLOCK=cfg["BLOCK"],
-            **_launch_options(cfg))
+            FOUR_SIX=scale_rule == "4/6", **_launch_options(cfg))
     return out
 
 
 def cublaslt_scaled_mm(
     a_bd: torch.Tensor, amax_a: torch.Tensor, b_bd: torch.Tensor, amax_b: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype = torch.bfloat16, scale_rule: str = "6",
 ) -> torch.Tensor:
     """``emulated_scaled_mm`` as one cuBLASLt GEMM that reads alpha in its epilogue and writes ``out_dtype``
     (``codegen.cublaslt_gemm``); a problem cuBLASLt offers no algorithm for runs ``emulated_scaled_mm``,
@@ -447,9 +452,10 @@ def cublaslt_scaled_mm(
         problem = cublaslt_gemm.dtype_problem(a_bd.dtype, b_bd.dtype, out_dtype)
         if problem:
             raise cublaslt_gemm.Unsupported(problem)
-        return cublaslt_gemm.mm_alpha(a_bd, b_bd, gemm_alpha(amax_a.to(a_bd.device), amax_b), out_dtype)
+        return cublaslt_gemm.mm_alpha(a_bd, b_bd, gemm_alpha(amax_a.to(a_bd.device), amax_b, scale_rule=scale_rule),
+                                      out_dtype)
     except cublaslt_gemm.Unsupported as err:
         if cublaslt_gemm.required():
             raise
         cublaslt_gemm.log_fallback(err)
-    return _mm_then_epilogue(a_bd, b_bd, amax_a, amax_b, out_dtype)
+    return _mm_then_epilogue(a_bd, b_bd, amax_a, amax_b, out_dtype, scale_rule)

@@ -7,7 +7,7 @@ from .numerics import tl, triton
 
 
 if triton is not None:
-    from .numerics import _INV_GLOBAL, _e2m1_value, _e4m3_value, _jit, _round_to, _scale_offset, _store_scales
+    from .numerics import _INV_GLOBAL, _INV_GLOBAL_46, _e2m1_value, _e4m3_value, _jit, _round_to, _scale_offset, _store_scales
 
     # ------------------------------------------------------------------------------------------
     # Decode, and the emulated GEMM's epilogue
@@ -72,25 +72,28 @@ if triton is not None:
         _store_scales(out_scales_ptr, sf, cols[:, None], tiles[None, :], N // 16, tile_ok, SWIZZLE)
 
     @_jit()
-    def _gemm_alpha(amax_a_ptr, amax_b_ptr):
+    def _gemm_alpha(amax_a_ptr, amax_b_ptr, FOUR_SIX: tl.constexpr):
         """(amax_a * fp32(1/2688)) * (amax_b * fp32(1/2688)): ``formats.gemm_alpha`` (two products, no
-        sum: nothing to contract)."""
-        return (tl.load(amax_a_ptr) * _INV_GLOBAL) * (tl.load(amax_b_ptr) * _INV_GLOBAL)
+        sum: nothing to contract); fp32(1/1536) with FOUR_SIX (the block scale rule "4/6")."""
+        if FOUR_SIX:
+            return (tl.load(amax_a_ptr) * _INV_GLOBAL_46) * (tl.load(amax_b_ptr) * _INV_GLOBAL_46)
+        else:
+            return (tl.load(amax_a_ptr) * _INV_GLOBAL) * (tl.load(amax_b_ptr) * _INV_GLOBAL)
 
     @_jit()
-    def _alpha_kernel(amax_a_ptr, amax_b_ptr, alpha_ptr, N, BLOCK: tl.constexpr):
+    def _alpha_kernel(amax_a_ptr, amax_b_ptr, alpha_ptr, N, BLOCK: tl.constexpr, FOUR_SIX: tl.constexpr = False):
         """alpha_ptr[0:N] = ``_gemm_alpha``."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        alpha = _gemm_alpha(amax_a_ptr, amax_b_ptr)
+        alpha = _gemm_alpha(amax_a_ptr, amax_b_ptr, FOUR_SIX)
         tl.store(alpha_ptr + offs, tl.full((BLOCK,), 0.0, tl.float32) + alpha, mask=offs < N)
 
     @_jit()
-    def _epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    def _epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, out_ptr, N, BLOCK: tl.constexpr, FOUR_SIX: tl.constexpr = False):
         """out = acc * alpha, cast to out's dtype; alpha (``_gemm_alpha``) computed here, so the GEMM
         needs no launch of its own for it."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
-        alpha = _gemm_alpha(amax_a_ptr, amax_b_ptr)
+        alpha = _gemm_alpha(amax_a_ptr, amax_b_ptr, FOUR_SIX)
         acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
         out = _round_to(acc * alpha, out_ptr.dtype.element_ty)
         tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)

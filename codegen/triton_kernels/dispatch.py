@@ -70,7 +70,13 @@ def _swizzle(layout: str) -> dict:
     return {"swizzle": True} if layout == SWIZZLED else {}
 
 
-def check_quantize(x, fmt, block, rounding=None, seed=None, amax=None, seed_base=None, layout=None) -> tuple[bool, str]:
+def _rule(scale_rule) -> dict:
+    """The kernels' option for a block scale rule ("4/6": Four Over Six)."""
+    return {"scale_rule": scale_rule} if scale_rule == "4/6" else {}
+
+
+def check_quantize(x, fmt, block, rounding=None, seed=None, amax=None, seed_base=None, layout=None,
+                   scale_rule="6") -> tuple[bool, str]:
     if (fmt, block) not in _QUANTIZERS:
         return False, f"no Triton quantizer for {fmt} with {block} blocks"
     ok, why = _operand(x, 32 if fmt == "mxfp4" else 16)
@@ -79,15 +85,17 @@ def check_quantize(x, fmt, block, rounding=None, seed=None, amax=None, seed_base
     return ok, why
 
 
-def quantize(x, fmt, block, rounding, seed, amax=None, seed_base=None, layout="row_major") -> tuple:
+def quantize(x, fmt, block, rounding, seed, amax=None, seed_base=None, layout="row_major", scale_rule="6") -> tuple:
     kernel = _QUANTIZERS[fmt, block]
     stream = kernel_stream(x, rounding, seed, seed_base)
-    return _own_amax(kernel(x, rounding, stream, **_given(amax), **_swizzle(layout)), amax)
+    return _own_amax(kernel(x, rounding, stream, **_given(amax), **_swizzle(layout), **_rule(scale_rule)), amax)
 
 
 def check_rht_quantize(x, size, fmt, block, rounding=None, seed=None, amax=None, seed_base=None,
-                       layout=None) -> tuple[bool, str]:
+                       layout=None, scale_rule="6") -> tuple[bool, str]:
     """The fused transpose + 16-point RHT + quantize of a [K, tokens] operand (the view the wgrad reads)."""
+    if scale_rule != "6":
+        return False, f"no fused RHT quantizer for the block scale rule {scale_rule!r} (the RHT, then the quantizer)"
     if (fmt, block) not in _RHT_BLOCKS:
         return False, f"no fused RHT quantizer for {fmt} with {block} blocks"
     if size != 16:
@@ -97,37 +105,43 @@ def check_rht_quantize(x, size, fmt, block, rounding=None, seed=None, amax=None,
     return _operand(x, 32 if fmt == "mxfp4" else 16)
 
 
-def rht_quantize(x, size, fmt, block, rounding, seed, amax=None, seed_base=None, layout="row_major") -> tuple:
+def rht_quantize(x, size, fmt, block, rounding, seed, amax=None, seed_base=None, layout="row_major",
+                 scale_rule="6") -> tuple:
     stream = kernel_stream(x, rounding, seed, seed_base)
     if fmt == "mxfp4":
         return quantize_wgrad_operand_mxfp4(x.t(), rounding, stream)
     return _own_amax(quantize_wgrad_operand(x.t(), rounding, stream, **_given(amax), **_swizzle(layout)), amax)
 
 
-def check_fake_quantize(x, fmt, block, rounding=None, seed=None, amax=None, seed_base=None) -> tuple[bool, str]:
+def check_fake_quantize(x, fmt, block, rounding=None, seed=None, amax=None, seed_base=None,
+                        scale_rule="6") -> tuple[bool, str]:
     if (fmt, block) not in _FAKE_QUANTIZERS:
         return False, f"no decoding Triton quantizer for {fmt} with {block} blocks"
     return check_quantize(x, fmt, block)
 
 
-def fake_quantize(x, fmt, block, rounding, seed, amax=None, seed_base=None) -> tuple:
+def fake_quantize(x, fmt, block, rounding, seed, amax=None, seed_base=None, scale_rule="6") -> tuple:
     kernel = _FAKE_QUANTIZERS[fmt, block]
-    return _own_amax(kernel(x, rounding, kernel_stream(x, rounding, seed, seed_base), **_given(amax)), amax)
+    stream = kernel_stream(x, rounding, seed, seed_base)
+    return _own_amax(kernel(x, rounding, stream, **_given(amax), **_rule(scale_rule)), amax)
 
 
-def check_fake_rht_quantize(x, size, fmt, block, rounding=None, seed=None, amax=None, seed_base=None):
+def check_fake_rht_quantize(x, size, fmt, block, rounding=None, seed=None, amax=None, seed_base=None,
+                            scale_rule="6"):
     if fmt != "nvfp4":
         return False, f"no decoding RHT quantizer for {fmt}"
-    return check_rht_quantize(x, size, fmt, block)
+    return check_rht_quantize(x, size, fmt, block, scale_rule=scale_rule)
 
 
-def fake_rht_quantize(x, size, fmt, block, rounding, seed, amax=None, seed_base=None) -> tuple:
+def fake_rht_quantize(x, size, fmt, block, rounding, seed, amax=None, seed_base=None, scale_rule="6") -> tuple:
     stream = kernel_stream(x, rounding, seed, seed_base)
     return _own_amax(fake_quantize_wgrad_operand(x.t(), rounding, stream, **_given(amax)), amax)
 
 
 def check_fake_dual_quantize(x, size, fmt, *rest) -> tuple[bool, str]:
     """Both decoded operands of a [tokens, K] gradient in one launch (tokens a multiple of 16)."""
+    if len(rest) > 8 and rest[8] != "6":
+        return False, f"the one-launch kernel has no block scale rule {rest[8]!r} (the two quantizers in turn)"
     if fmt != "nvfp4" or size != 16:
         return False, f"the one-launch kernel does NVFP4 with the 16-point RHT, not {fmt} with {size}"
     if x.dim() != 2:
@@ -139,7 +153,7 @@ def check_fake_dual_quantize(x, size, fmt, *rest) -> tuple[bool, str]:
 
 
 def fake_dual_quantize(x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base=None,
-                       seed_base_t=None) -> tuple:
+                       seed_base_t=None, scale_rule="6") -> tuple:
     return fake_quantize_dual(
         x, rounding, kernel_stream(x, rounding, seed, seed_base), amax,
         rounding_t, kernel_stream(x, rounding_t, seed_t, seed_base_t), amax_t,
@@ -182,7 +196,7 @@ def decode_blocks(data, scales) -> torch.Tensor:
     return block_decode(data, scales, swizzled=is_swizzled(data, scales))
 
 
-def check_emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
+def check_emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6") -> tuple[bool, str]:
     """The BF16 GEMM of decoded NVFP4 operands with an fp32 output, then the epilogue kernel (alpha)."""
     if fmt != "nvfp4":
         return False, f"alpha is NVFP4's: {fmt} operands need no epilogue"
@@ -191,11 +205,11 @@ def check_emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
     return _packed(a)
 
 
-def emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> torch.Tensor:
-    return emulated_scaled_mm(a, a_amax, b, b_amax, out_dtype)
+def emulated_mm(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6") -> torch.Tensor:
+    return emulated_scaled_mm(a, a_amax, b, b_amax, out_dtype, scale_rule)
 
 
-def check_cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
+def check_cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6") -> tuple[bool, str]:
     """One cuBLASLt GEMM with alpha in its epilogue (``codegen.cublaslt_gemm``, ``config.emulated_gemm``)."""
     from .. import cublaslt_gemm
 
@@ -211,5 +225,5 @@ def check_cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> tuple[bool, str]:
     return True, ""
 
 
-def cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype) -> torch.Tensor:
-    return cublaslt_scaled_mm(a, a_amax, b, b_amax, out_dtype)
+def cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6") -> torch.Tensor:
+    return cublaslt_scaled_mm(a, a_amax, b, b_amax, out_dtype, scale_rule)

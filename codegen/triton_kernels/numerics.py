@@ -53,6 +53,7 @@ if triton is not None:
     _NVFP4_GLOBAL = tl.constexpr(formats.NVFP4_GLOBAL)
     _ONE_SIXTH = tl.constexpr(_f32(1.0 / 6.0))
     _INV_GLOBAL = tl.constexpr(_f32(1.0 / formats.NVFP4_GLOBAL))
+    _INV_GLOBAL_46 = tl.constexpr(_f32(1.0 / formats.FOUR_OVER_SIX_GLOBAL))
     _TWO_M126 = tl.constexpr(2.0**-126)
     _NEG_MAGIC_M126 = tl.constexpr(-6291456.0 * 2.0**-126)  # -(3 * 2**21) * 2**-126, exact in fp32
     # Bit i set where the RHT sign vector has -1 at i.
@@ -85,6 +86,28 @@ if triton is not None:
         s_enc = tl.where(s_enc > _FLT_MAX, _FLT_MAX, s_enc)  # a NaN stays NaN
         s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
         return s_enc, tl.math.div_rn(1.0, s_enc)
+
+    @_jit()
+    def _encode_scale_rule(amax, FOUR_SIX: tl.constexpr):
+        """``_encode_scale`` of a block scale rule: with FOUR_SIX ("4/6") amax maps to 1536 = 6 * 256."""
+        if FOUR_SIX:
+            s_enc = tl.math.div_rn(1536.0, amax)  # = formats.FOUR_OVER_SIX_GLOBAL
+            s_enc = tl.where(s_enc > _FLT_MAX, _FLT_MAX, s_enc)
+            s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+            return s_enc, tl.math.div_rn(1.0, s_enc)
+        else:
+            return _encode_scale(amax)
+
+    @_jit()
+    def _mul_rn(a, b):
+        """a * b rounded to nearest even (same shapes), never contracted with an addition into an FMA when
+        compiled for the GPU (``_CONTRACTION_SAFE``); the interpreter never contracts."""
+        if _CONTRACTION_SAFE:
+            return tl.inline_asm_elementwise(
+                "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+            )
+        else:
+            return a * b
 
     @_jit()
     def _e4m3(f):

@@ -8,8 +8,9 @@ from .numerics import tl, triton
 
 if triton is not None:
     from .numerics import (
-        _abs_bits, _block_scale, _e2m1, _e2m1_rne_code_bits, _encode_scale, _fixup_amax, _jit, _max_nan, _sr_draws,
-        _sr_key, _sr_row_bits, _sr_word, _store_scales, _stream_key, _tile_ids,
+        _FLT_MAX, _INV_GLOBAL_46, _ONE_SIXTH, _abs_bits, _block_scale, _e2m1, _e2m1_rne, _e2m1_rne_code_bits, _e4m3,
+        _encode_scale, _encode_scale_rule, _fixup_amax, _jit, _max_nan, _mul_rn, _sr_draws, _sr_key, _sr_row_bits, _sr_word,
+        _store_scales, _stream_key, _tile_ids,
     )
 
     # ------------------------------------------------------------------------------------------
@@ -26,6 +27,55 @@ if triton is not None:
             x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
             acc = tl.maximum(acc, _abs_bits(x))
         tl.atomic_max(out_ptr, tl.max(acc, axis=0))
+
+    # ------------------------------------------------------------------------------------------
+    # Four Over Six: each block's scale, to 6 or to 4 (formats.nvfp4_encode, scale_rule="4/6")
+    # ------------------------------------------------------------------------------------------
+
+    @_jit()
+    def _pair_sum16(v):
+        """Sum over the last dim (16) of a 4-D tensor, adjacent pairs level by level: the order of
+        ``formats._pair_tree_sum``, one fp32 rounding per addition (no products: nothing to contract)."""
+        a, b = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], v.shape[2], 8, 2)))
+        v = a + b
+        a, b = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], v.shape[2], 4, 2)))
+        v = a + b
+        a, b = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], v.shape[2], 2, 2)))
+        v = a + b
+        a, b = tl.split(v)
+        return a + b
+
+    @_jit()
+    def _four_six_error(x4, enc, sf, amax, TILE_ROWS: tl.constexpr):
+        """Squared error per block, [A, NB], of the [A, TILE_ROWS, NB, 16] values x4 quantized with the
+        encode factor ``enc`` (round to nearest even) and dequantized with the scale ``sf`` ([A, NB] each):
+        x^ = value * ((sf * amax) * fp32(1/1536)); summed over each row's 16 elements, then over a tile's
+        rows, as ``formats.four_over_six_errors``."""
+        _, value = _e2m1_rne(x4 * enc[:, None, :, None])
+        dscale = (sf * amax) * _INV_GLOBAL_46
+        d = _mul_rn(value, tl.broadcast_to(dscale[:, None, :, None], value.shape)) - x4
+        err = _pair_sum16(_mul_rn(d, d))  # [A, TILE_ROWS, NB]
+        if TILE_ROWS > 1:
+            rows = tl.permute(err, (0, 2, 1))  # [A, NB, 16]
+            err = tl.reshape(_pair_sum16(tl.reshape(rows, (rows.shape[0], rows.shape[1], 1, TILE_ROWS))),
+                             (rows.shape[0], rows.shape[1]))
+        else:
+            err = tl.reshape(err, (err.shape[0], err.shape[2]))
+        return err
+
+    @_jit()
+    def _four_six_scale(x4, bamax, amax, s_enc, s_dec, sf_code, sf, enc, TILE_ROWS: tl.constexpr):
+        """(scale code, scale value, encode factor) per block: the candidate scaled to 6 (given: sf_code,
+        sf, enc from ``_block_scale``) or the one scaled to 4 (the unrounded scale times 1.5, rounded to
+        E4M3), whichever has the strictly smaller squared error (``_four_six_error``); ties and NaN keep 6."""
+        sf32 = bamax * (s_enc * _ONE_SIXTH)
+        sf32 = tl.where(sf32 > 448.0, 448.0, sf32)
+        sf32 = sf32 * 1.5
+        code4, sf4 = _e4m3(tl.where(sf32 > 448.0, 448.0, sf32))
+        enc4 = tl.math.div_rn(1.0, sf4 * s_dec)
+        enc4 = tl.where(enc4 > _FLT_MAX, _FLT_MAX, enc4)
+        use4 = _four_six_error(x4, enc4, sf4, amax, TILE_ROWS) < _four_six_error(x4, enc, sf, amax, TILE_ROWS)
+        return tl.where(use4, code4, sf_code), tl.where(use4, sf4, sf), tl.where(use4, enc4, enc)
 
     # ------------------------------------------------------------------------------------------
     # Quantize along rows: 1x16 blocks or 16x16 tiles
@@ -158,10 +208,11 @@ if triton is not None:
     def _quantize_rows_tile(
         x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
         TILE_ROWS: tl.constexpr, SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, E4M3: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, E4M3: tl.constexpr, FOUR_SIX: tl.constexpr = False,
     ):
-        """Quantize a [BLOCK_M, BLOCK_K] tile; returns the bits of its abs max."""
-        if TILE_ROWS == 1:
+        """Quantize a [BLOCK_M, BLOCK_K] tile; returns the bits of its abs max. FOUR_SIX: the block scale
+        rule "4/6" (``_four_six_scale``), with 1x16 blocks too (as 16x16 tiles of one row)."""
+        if TILE_ROWS == 1 and not FOUR_SIX:
             return _quantize_blocks_tile(
                 x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
                 SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K, E4M3,
@@ -174,8 +225,10 @@ if triton is not None:
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
         x4 = tl.reshape(x.to(tl.float32), (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
         bamax = tl.max(tl.max(_abs_bits(x4), axis=3), axis=1).to(tl.float32, bitcast=True)
-        s_enc, s_dec = _encode_scale(amax)
+        s_enc, s_dec = _encode_scale_rule(amax, FOUR_SIX)
         sf_code, sf, enc = _block_scale(bamax, s_enc, s_dec, E4M3)
+        if FOUR_SIX:
+            sf_code, sf, enc = _four_six_scale(x4, bamax, amax, s_enc, s_dec, sf_code, sf, enc, TILE_ROWS)
         v = x4 * enc[:, None, :, None]
         if SR:
             rand = tl.reshape(_sr_row_bits(rows, pid_k, K, BLOCK_K, seed_lo, seed_hi), (BLOCK_M // TILE_ROWS, TILE_ROWS, NB, 16))
@@ -206,10 +259,11 @@ if triton is not None:
         seed_ptr, seed_lo, seed_hi,
         TILE_ROWS: tl.constexpr, SR: tl.constexpr, SWIZZLE: tl.constexpr, FAKE: tl.constexpr, PASS: tl.constexpr,
         MIX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr = False,
-        ITERS: tl.constexpr = 1, E4M3: tl.constexpr = False,
+        ITERS: tl.constexpr = 1, E4M3: tl.constexpr = False, FOUR_SIX: tl.constexpr = False,
     ):
         """Quantizes ITERS consecutive tiles along K. With 1x16 blocks and ITERS > 1, the next tile's loads
-        are issued before the tile loaded is quantized, so they are in flight during its arithmetic."""
+        are issued before the tile loaded is quantized, so they are in flight during its arithmetic.
+        FOUR_SIX: the block scale rule "4/6" (every tile through ``_quantize_rows_tile``)."""
         pid_m, k_group = _tile_ids(K_FIRST)
         seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
         # PASS 0: amax_ptr holds the own amax. 1: a given amax; track the own one. 2: fix-up.
@@ -219,12 +273,12 @@ if triton is not None:
                 for i in range(ITERS):
                     _quantize_rows_tile(
                         x_ptr, data_ptr, scales_ptr, bd_ptr, own, M, K, stride_xm, seed_lo, seed_hi, pid_m,
-                        k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K, E4M3,
+                        k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K, E4M3, FOUR_SIX,
                     )
         else:
             amax = tl.load(amax_ptr)
             bits = tl.zeros((), tl.int32)
-            if TILE_ROWS == 1 and ITERS > 1:
+            if TILE_ROWS == 1 and ITERS > 1 and not FOUR_SIX:
                 rows, kb, ok = _tile_blocks(M, K, pid_m, k_group * ITERS, BLOCK_M, BLOCK_K)
                 h0 = _load_half_blocks(x_ptr, rows, kb, 0, stride_xm, ok)
                 h1 = _load_half_blocks(x_ptr, rows, kb, 1, stride_xm, ok)
@@ -243,7 +297,7 @@ if triton is not None:
                 for i in range(ITERS):
                     bits = tl.maximum(bits, _quantize_rows_tile(
                         x_ptr, data_ptr, scales_ptr, bd_ptr, amax, M, K, stride_xm, seed_lo, seed_hi, pid_m,
-                        k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K, E4M3,
+                        k_group * ITERS + i, TILE_ROWS, SR, SWIZZLE, FAKE, BLOCK_M, BLOCK_K, E4M3, FOUR_SIX,
                     ))
             if PASS == 1:
                 tl.atomic_max(own_ptr, bits)
