@@ -28,6 +28,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -211,6 +213,66 @@ def quantization_config(scheme: str, ignore: list[str], weight_block: str = "16x
     }
 
 
+EXPORT_MANIFEST = "fp4compile_export.json"
+
+
+def _written_by_export(out: Path) -> set:
+    """The names of the files an earlier export wrote into ``out``, as its manifest lists them."""
+    try:
+        files = json.loads((out / EXPORT_MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    return {*map(str, files), EXPORT_MANIFEST}
+
+
+def _check_folder(out: Path, overwrite: bool) -> None:
+    """Refuse ``out`` where it is not a folder, or (unless ``overwrite``) holds files no earlier export wrote."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"export writes a folder, and {out} is a file")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in _written_by_export(out))
+    if foreign and not overwrite:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise FileExistsError(
+            f"{out} holds files that no earlier export wrote ({shown}); export into a new or empty folder, or "
+            "pass overwrite=True to replace the folder and everything in it"
+        )
+
+
+@contextlib.contextmanager
+def _staging(out: Path) -> Iterator[Path]:
+    """A new folder beside ``out`` to write an export into. When the block ends without an error, the
+    folder gets its manifest and replaces ``out`` whole (``_replace``); after an error it is removed and
+    ``out`` is left as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    folder = out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.partial"
+    folder.mkdir()
+    try:
+        yield folder
+        files = sorted(p.name for p in folder.iterdir())
+        (folder / EXPORT_MANIFEST).write_text(json.dumps({"files": files}, indent=2) + "\n")
+        _replace(folder, out)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # still there only after an error
+
+
+def _replace(folder: Path, out: Path) -> None:
+    """Make ``folder`` (beside ``out``) the folder ``out`` by renames: an earlier ``out`` is moved aside
+    first and deleted after, so that ``out`` never holds files of both."""
+    if not out.exists():
+        os.rename(folder, out)
+        return
+    old = out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.old"
+    os.rename(out, old)
+    try:
+        os.rename(folder, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 class _ShardWriter:
     """Writes safetensors shards of at most ``max_bytes`` each as tensors arrive, so that export holds
     one shard of converted tensors at a time, never a second copy of the whole model."""
@@ -289,6 +351,7 @@ def export(
     input_amax: Optional[dict] = None,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_size: int = 2 * 1024**3,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``model`` (trained with ``backend``) as an NVFP4 checkpoint in the compressed-tensors format.
 
@@ -298,49 +361,58 @@ def export(
     ranges the backend recorded in training (``backend.ranges``); a site with neither is an error.
     dtype: the type of every tensor that is not an FP4 weight (high-precision layers, norms, embeddings).
     max_shard_size: bytes per safetensors file; export holds at most one file's tensors at a time.
+    overwrite: replace a folder that holds files no earlier export wrote (they are deleted); without it
+    such a folder is refused.
 
     A Hugging Face model gets the folder ``save_pretrained`` writes (config.json with the
     ``quantization_config``, generation_config.json, safetensors shards); any other model the same
-    safetensors files and ``quantization_config.json``. Returns the folder's path.
+    safetensors files and ``quantization_config.json``; both with ``fp4compile_export.json``, the list
+    of the files the export wrote. The folder is written beside ``path`` and then moved into place, so
+    ``path`` holds either the earlier export or this one, whole, never a mix of the two (an earlier
+    ``model.safetensors`` beside new shards would be loaded in their place). Returns the folder's path.
+    A model compiled block by block (``model.layers[i] = torch.compile(block)``) is exported with its
+    blocks' own parameter names.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {sorted(SCHEMES)}, got {scheme!r}")
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"export takes the trained nn.Module, got {type(model).__name__}")
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper: the model itself
-    sites = export_sites(backend)
-    hf = _is_hf_model(model)
-    _check_sites(model, sites, hf)
-    block = _weight_block(backend)
-    if block not in ("16x16", "1x16"):
-        raise NotImplementedError(f"export writes NVFP4 weights; the recipe quantizes weights in {block} blocks")
-    input_amax = activation_amax(backend, sites, input_amax) if SCHEMES[scheme] else None
-    if max_shard_size <= 0:
-        raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    exported = {s.name for s in sites}
-    ignore = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in exported]
-    config = quantization_config(scheme, ignore, block)
+    with _plain_modules(model):  # a model compiled block by block: its blocks' own names and modules
+        sites = export_sites(backend)
+        hf = _is_hf_model(model)
+        _check_sites(model, sites, hf)
+        block = _weight_block(backend)
+        if block not in ("16x16", "1x16"):
+            raise NotImplementedError(f"export writes NVFP4 weights; the recipe quantizes weights in {block} blocks")
+        input_amax = activation_amax(backend, sites, input_amax) if SCHEMES[scheme] else None
+        if max_shard_size <= 0:
+            raise ValueError(f"max_shard_size must be a positive number of bytes, got {max_shard_size}")
+        out = Path(path)
+        _check_folder(out, overwrite)
+        exported = {s.name for s in sites}
+        ignore = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in exported]
+        config = quantization_config(scheme, ignore, block)
 
-    writer = _ShardWriter(out, max_shard_size)
-    with torch.no_grad():
-        for name, tensor in _tensors(model, sites, input_amax, dtype, block, backend.recipe.block_scale_rule):
-            writer.add(name, tensor)
-    writer.close()
+        with _staging(out) as folder:
+            writer = _ShardWriter(folder, max_shard_size)
+            with torch.no_grad():
+                for name, tensor in _tensors(model, sites, input_amax, dtype, block, backend.recipe.block_scale_rule):
+                    writer.add(name, tensor)
+            writer.close()
 
-    if hf:
-        model.config.save_pretrained(out)
-        generation = getattr(model, "generation_config", None)
-        if generation is not None and getattr(model, "can_generate", lambda: False)():
-            generation.save_pretrained(out)
-        config_file = out / "config.json"
-        data = json.loads(config_file.read_text())
-        data["quantization_config"] = config
-        data["dtype"] = str(dtype).removeprefix("torch.")
-        config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    else:
-        (out / QUANTIZATION_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            if hf:
+                model.config.save_pretrained(folder)
+                generation = getattr(model, "generation_config", None)
+                if generation is not None and getattr(model, "can_generate", lambda: False)():
+                    generation.save_pretrained(folder)
+                config_file = folder / "config.json"
+                data = json.loads(config_file.read_text())
+                data["quantization_config"] = config
+                data["dtype"] = str(dtype).removeprefix("torch.")
+                config_file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+            else:
+                (folder / QUANTIZATION_CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -352,6 +424,40 @@ def export(
 def _module_of(model: torch.nn.Module, site: ExportSite) -> torch.nn.Module:
     path = site.parameter.rsplit(".", 1)[0] if "." in site.parameter else ""
     return model.get_submodule(path)
+
+
+@contextlib.contextmanager
+def _plain_modules(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` with its compiled parts as the modules they compile, while the block lasts: a child
+    replaced by ``torch.compile(child)`` is the child again (so its parameters have their names without
+    ``_orig_mod``), and a module compiled in place (``module.compile()``) runs its own forward."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    swapped, compiled_calls, seen, todo = [], [], set(), [model]
+    try:
+        while todo:
+            module = todo.pop()
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            if module.__dict__.get("_compiled_call_impl") is not None:
+                compiled_calls.append((module, module.__dict__["_compiled_call_impl"]))
+                module._compiled_call_impl = None
+            for name, child in list(module._modules.items()):
+                plain = child
+                while isinstance(plain, OptimizedModule):
+                    plain = plain._orig_mod
+                if plain is not child:
+                    swapped.append((module, name, child))
+                    module._modules[name] = plain
+                if plain is not None:
+                    todo.append(plain)
+        yield model
+    finally:
+        for module, name, child in reversed(swapped):
+            module._modules[name] = child
+        for module, call in compiled_calls:
+            module._compiled_call_impl = call
 
 
 def _quantize_activation(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -369,38 +475,42 @@ def served(model: torch.nn.Module, backend, scheme: str = "NVFP4A16", input_amax
     the parameter's while the block runs (the master weights come back on exit); with ``scheme="NVFP4"``
     (W4A4) each FP4 layer's input is quantized in 1x16 blocks with the global scale ``input_amax`` gives
     it (default: the ranges the backend recorded in training, as ``export``), as a W4A4 server does.
-    Call the plain module inside (not the one compiled for training).
+    The model it yields runs its plain modules: blocks compiled one by one (``model.layers[i] =
+    torch.compile(block)``, ``block.compile()``) run uncompiled inside, as they do in serving (the
+    compiled training forward would quantize the activations again); call the model it yields, not a
+    ``torch.compile`` wrapper around it.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {sorted(SCHEMES)}, got {scheme!r}")
     model = getattr(model, "_orig_mod", model)
-    sites = export_sites(backend)
-    _check_sites(model, sites, hf=False)
-    if SCHEMES[scheme]:
-        input_amax = activation_amax(backend, sites, input_amax)
-    block = _weight_block(backend)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    saved, hooks = [], []
-    try:
-        with torch.no_grad():
-            for site in sites:
-                p = params[site.parameter]
-                decoded = formats.dequantize(quantized_weight(p, site.transposed, block, backend.recipe.block_scale_rule),
-                                             p.dtype)
-                saved.append((p, p.data))
-                p.data = decoded.t().contiguous() if site.transposed else decoded
-                if SCHEMES[scheme]:
-                    amax = torch.as_tensor(input_amax[site.name], dtype=torch.float32)
-                    hooks.append(_module_of(model, site).register_forward_pre_hook(
-                        lambda m, args, amax=amax: (_quantize_activation(args[0], amax), *args[1:])
-                    ))
-        with torch.no_grad():
-            yield model
-    finally:
-        for h in hooks:
-            h.remove()
-        for p, data in saved:
-            p.data = data
+    with _plain_modules(model):
+        sites = export_sites(backend)
+        _check_sites(model, sites, hf=False)
+        if SCHEMES[scheme]:
+            input_amax = activation_amax(backend, sites, input_amax)
+        block = _weight_block(backend)
+        params = dict(model.named_parameters(remove_duplicate=False))
+        saved, hooks = [], []
+        try:
+            with torch.no_grad():
+                for site in sites:
+                    p = params[site.parameter]
+                    decoded = formats.dequantize(quantized_weight(p, site.transposed, block, backend.recipe.block_scale_rule),
+                                                 p.dtype)
+                    saved.append((p, p.data))
+                    p.data = decoded.t().contiguous() if site.transposed else decoded
+                    if SCHEMES[scheme]:
+                        amax = torch.as_tensor(input_amax[site.name], dtype=torch.float32)
+                        hooks.append(_module_of(model, site).register_forward_pre_hook(
+                            lambda m, args, amax=amax: (_quantize_activation(args[0], amax), *args[1:])
+                        ))
+            with torch.no_grad():
+                yield model
+        finally:
+            for h in hooks:
+                h.remove()
+            for p, data in saved:
+                p.data = data
 
 
 def calibrate(model: torch.nn.Module, batches: Iterable, backend, forward=None) -> dict[str, torch.Tensor]:

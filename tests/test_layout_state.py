@@ -99,6 +99,124 @@ def test_dynamic_shapes_count_gemm_flops_at_their_size_hints():
 
 
 # ---------------------------------------------------------------------------------------------
+# Export into a folder that holds an earlier export; serving a model compiled block by block
+# ---------------------------------------------------------------------------------------------
+
+
+def _trained(steps=1, per_block=None):
+    """A 4-block stack and its backend after ``steps`` training steps; ``per_block``: "wrap"
+    (``model.layers[i] = torch.compile(block)``) or "in_place" (``block.compile()``), else compiled whole."""
+    model = _stack(4)
+    backend = Backend(inner="eager", model=model if per_block else None)
+    if per_block == "wrap":
+        for i, block in enumerate(model.layers):
+            model.layers[i] = torch.compile(block, backend=backend)
+        compiled = model
+    elif per_block == "in_place":
+        for block in model.layers:
+            block.compile(backend=backend)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        _step(compiled, seed=100 + step)
+        opt.step()
+    return model, backend, compiled
+
+
+def _read_export(folder):
+    """{name: tensor} as a loader reads the folder: the shards the index names, else model.safetensors."""
+    import json
+
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    out = {}
+    for f in files:
+        out.update(load_file(str(folder / f)))
+    return out
+
+
+def _export_in_memory(model, backend, folder):
+    fp4compile.export(model, folder, backend=backend, scheme="NVFP4A16")
+    return _read_export(folder)
+
+
+def test_export_replaces_an_earlier_export_whole(tmp_path):
+    model, backend, _ = _trained(steps=1)
+    out = tmp_path / "ckpt"
+    fp4compile.export(model, out, backend=backend, scheme="NVFP4A16")  # one model.safetensors
+    first = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" in first
+    with torch.no_grad():
+        model.layers[1].fc.weight.mul_(0.5)  # trained on: other weights
+    fp4compile.export(model, out, backend=backend, scheme="NVFP4A16", max_shard_size=4096)  # shards now
+    files = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" not in files and "model.safetensors.index.json" in files
+    assert not [p for p in tmp_path.iterdir() if p.name != "ckpt"]  # nothing left beside it
+    expected = _export_in_memory(model, backend, tmp_path / "fresh")
+    got = _read_export(out)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_export_refuses_a_folder_with_other_files_unless_told_to_overwrite(tmp_path):
+    model, backend, _ = _trained(steps=1)
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"not ours")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"model\.safetensors, notes\.txt.*overwrite=True"):
+        fp4compile.export(model, out, backend=backend, scheme="NVFP4A16", max_shard_size=4096)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "notes.txt"]  # untouched
+    fp4compile.export(model, out, backend=backend, scheme="NVFP4A16", max_shard_size=4096, overwrite=True)
+    assert not (out / "notes.txt").exists() and not (out / "model.safetensors").exists()
+    assert _read_export(out).keys() == _export_in_memory(model, backend, tmp_path / "fresh").keys()
+
+
+def test_an_export_that_fails_leaves_the_earlier_one_as_it_was(tmp_path):
+    model, backend, _ = _trained(steps=1)
+    out = tmp_path / "ckpt"
+    fp4compile.export(model, out, backend=backend, scheme="NVFP4A16")
+    before, files = _read_export(out), sorted(p.name for p in out.iterdir())
+    model.head.bias = torch.nn.Parameter(torch.empty(D, device="meta"))  # no values to write
+    with pytest.raises(Exception):
+        fp4compile.export(model, out, backend=backend, scheme="NVFP4A16", max_shard_size=4096)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in out.iterdir()) == files  # no part of the failed export in it
+    after = _read_export(out)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("per_block", ["wrap", "in_place"])
+def test_served_runs_the_plain_modules_of_a_model_compiled_block_by_block(per_block, tmp_path):
+    model, backend, compiled = _trained(steps=1, per_block=per_block)
+    x = _x(2, 16, D, seed=7)
+    with torch.no_grad():
+        training_forward = compiled(x)
+    assert len({s.name for s in backend.report.sites if s.precision == "nvfp4"}) == 4  # the middle two blocks
+    # The same weights in a model that was never compiled, served by the same plan.
+    plain = _stack(4)
+    plain.load_state_dict({k.replace("._orig_mod", ""): v for k, v in model.state_dict().items()})
+    with fp4compile.served(plain, backend) as m:
+        expected = m(x)
+    with fp4compile.served(model, backend) as m:
+        got = m(x)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, training_forward)
+    if per_block == "wrap":
+        assert isinstance(model.layers[1], torch._dynamo.eval_frame.OptimizedModule)  # as it was
+    with torch.no_grad():
+        assert torch.equal(model(x), training_forward)  # compiled again after the block
+    exported = _export_in_memory(model, backend, tmp_path / "ckpt")
+    assert exported.keys() == _export_in_memory(plain, backend, tmp_path / "plain").keys()
+
+
+# ---------------------------------------------------------------------------------------------
 # Meta device
 # ---------------------------------------------------------------------------------------------
 
