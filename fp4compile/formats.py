@@ -28,6 +28,7 @@ __all__ = [
     "gemm_alpha",
     "SCALE_RULES",
     "global_constant",
+    "quantization_stats",
     "encode_e2m1",
     "decode_e2m1",
     "pack_e2m1",
@@ -482,6 +483,42 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     else:
         scale = q.scales.float()
     return (vals * scale.repeat_interleave(cols, dim=-1)).to(dtype)
+
+
+def quantization_stats(x: torch.Tensor, q: QTensor) -> dict:
+    """What NVFP4 quantization ``q`` of ``x`` (the tensor as quantized: after the RHT where the recipe
+    applies it) lost, as Python numbers:
+
+    - ``zero_fraction``: of the finite nonzero elements of x, the fraction whose code is +-0;
+    - ``scale_saturated``: of the blocks, the fraction whose E4M3 scale is its largest value, 448, and
+      whose largest element still lands above 6 (its values clip);
+    - ``scale_underflow``: of the blocks holding a nonzero element, the fraction whose scale is 0 (the
+      block decodes to zeros);
+    - ``relative_error``: ||dequantize(q) - x|| / ||x|| in float64 (0 for an all-zero x);
+    - ``amax``: the global amax q was made with.
+    """
+    if q.fmt != "nvfp4":
+        raise ValueError(f"quantization_stats takes an NVFP4 quantization, got {q.fmt}")
+    xf = x.detach().float().reshape(q.shape)
+    cols = _BLOCK_SHAPES[q.block][1]
+    codes = q.codes()
+    finite_nonzero = torch.isfinite(xf) & (xf != 0)
+    zeros = finite_nonzero & ((codes & 7) == 0)
+    sf = q.scales.float()
+    bamax = _block_amax(xf, q.block)
+    enc = torch.clamp(1.0 / (sf * (1.0 / global_encode_scale(q.amax, q.scale_rule))), max=FLT_MAX)
+    saturated = (sf == E4M3_MAX) & (bamax * enc > E2M1_MAX)
+    occupied = bamax > 0
+    deq = dequantize(q).double()
+    norm = float(xf.double().norm())
+    n_blocks = max(sf.numel(), 1)
+    return {
+        "zero_fraction": float(zeros.sum()) / max(int(finite_nonzero.sum()), 1),
+        "scale_saturated": float(saturated.sum()) / n_blocks,
+        "scale_underflow": float((occupied & (sf == 0)).sum()) / max(int(occupied.sum()), 1),
+        "relative_error": float((deq - xf.double()).norm()) / norm if norm else 0.0,
+        "amax": float(q.amax),
+    }
 
 
 # ----------------------------------------------------------------------------------------------

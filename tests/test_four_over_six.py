@@ -276,3 +276,28 @@ def test_export_global_scales_follow_the_rule():
     assert torch.equal(tensors["input_global_scale"], torch.tensor([1536.0 / 2.5]))
     served = formats.decode_e2m1(q.codes()) * (q.scales.float() / tensors["weight_global_scale"]).repeat_interleave(16, -1)
     torch.testing.assert_close(served, formats.dequantize(q), rtol=2**-22, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Quantization statistics (the reference of issue #50's statistics)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", ["6", "4/6"])
+def test_quantization_stats_count_what_was_lost(rule):
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    x[0, :16] = 1e-9  # a block far below the tensor's range: its scale underflows, its values become 0
+    x[1, 0] = 0.0
+    q = formats.quantize(x, scale_rule=rule)
+    stats = formats.quantization_stats(x, q)
+    nonzero = int((x != 0).sum())
+    codes = q.codes()
+    assert stats["zero_fraction"] == int(((codes & 7) == 0)[x != 0].sum()) / nonzero
+    assert stats["zero_fraction"] >= 16 / nonzero
+    assert stats["scale_underflow"] == 1 / (32 * 4)
+    assert stats["scale_saturated"] == 0.0
+    want = float((formats.dequantize(q).double() - x.double()).norm() / x.double().norm())
+    assert stats["relative_error"] == want and stats["amax"] == float(x.abs().max())
+    # A given amax below the tensor's own makes the largest blocks' scales saturate at 448.
+    small = formats.quantize(x, amax=torch.tensor(float(x.abs().max()) / 4), scale_rule=rule)
+    assert formats.quantization_stats(x, small)["scale_saturated"] > 0
