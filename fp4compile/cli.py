@@ -33,11 +33,10 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-import torch
-import torch.nn as nn
-
 import fp4compile
 from fp4compile.recipe import Recipe
+
+# torch is imported by the commands that run, not for ``--help`` or a usage error.
 
 __all__ = ["main", "load_factory"]
 
@@ -197,7 +196,9 @@ def load_factory(spec: str):
         model = factory()
     except Exception as exc:
         raise UsageError(f"calling {spec}() failed: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(model, nn.Module):
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
         raise UsageError(f"{spec}() returned a {type(model).__name__}, not a torch.nn.Module")
     return model
 
@@ -242,6 +243,8 @@ def _import_file(path: Path):
 
 
 def _inputs(args, model) -> list:
+    import torch
+
     shapes = args.input_shape
     dtypes = args.input_dtype or ["float"]
     if len(dtypes) == 1:
@@ -250,7 +253,7 @@ def _inputs(args, model) -> list:
         raise UsageError(f"{len(shapes)} --input-shape but {len(dtypes)} --input-dtype: give one dtype or one per input")
     high = args.input_high
     if high is None:
-        sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+        sizes = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
         high = min(sizes) if sizes else 2
     generator = torch.Generator().manual_seed(args.seed)
     out = []
@@ -272,6 +275,8 @@ def _recipe(options: list) -> Recipe:
 
 
 def _inspect(args) -> int:
+    import torch
+
     recipe = _recipe(args.recipe_option)
     if args.image is not None and importlib.util.find_spec("matplotlib") is None:  # checked before compiling
         raise UsageError("--image needs matplotlib: pip install matplotlib (or the [plot] extra)")
@@ -287,7 +292,7 @@ def _inspect(args) -> int:
             cause = cause.__cause__
         message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         hint = ""
-        if any(m for m in model.modules() if isinstance(m, nn.Embedding)) and any(x.is_floating_point() for x in inputs):
+        if any(m for m in model.modules() if isinstance(m, torch.nn.Embedding)) and any(x.is_floating_point() for x in inputs):
             hint = "; the model has embeddings, whose inputs are token ids: pass --input-dtype long"
         raise UsageError(f"running the model on the inputs failed: {message}{hint}") from exc
     try:
@@ -323,6 +328,8 @@ def _show(report, args) -> None:
 
 
 def _export(args) -> int:
+    import torch
+
     recipe = _recipe(args.recipe_option)
     if not args.checkpoint.is_file():
         raise UsageError(f"checkpoint {str(args.checkpoint)!r} not found")
@@ -363,6 +370,8 @@ def _load_checkpoint(path: Path, trust: bool = False):
     backend's ``state_dict()``, the records ``examples/train_gpt.py`` keeps) and nothing that unpickling
     would call; anything else is refused, naming what, unless ``trust`` (``--trust-checkpoint``), which
     unpickles the file in full after a warning."""
+    import torch
+
     if trust:
         print(f"fp4compile export: warning: --trust-checkpoint: unpickling {path} in full; a checkpoint can run "
               "any code it carries while it loads, so use this only on a file you made or trust", file=sys.stderr)

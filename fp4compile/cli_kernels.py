@@ -39,16 +39,32 @@ def _shapes(text: str) -> list:
     return [_shape(part) for part in text.split(",") if part.strip()]
 
 
+class _Archs:
+    """The architectures kernels are built for (``cutlass_toolkit.SUPPORTED_ARCHS``), as ``--arch``'s
+    choices: read when an ``--arch`` is checked or listed, since the kernel tooling imports torch, which
+    ``fp4compile --help`` does without."""
+
+    def _values(self) -> tuple:
+        from fp4compile.codegen.cutlass_toolkit import SUPPORTED_ARCHS
+
+        return SUPPORTED_ARCHS
+
+    def __contains__(self, arch) -> bool:
+        return arch in self._values()
+
+    def __iter__(self):
+        return iter(self._values())
+
+
 def add_subparser(subparsers) -> argparse.ArgumentParser:
     """Register ``kernels`` (with ``build`` and ``list``) on an argparse subparsers object."""
-    from fp4compile.codegen.cutlass_gemm import SUPPORTED_ARCHS
-
     parser = subparsers.add_parser("kernels", help="build and inspect CUTLASS NVFP4 GEMM kernels")
     actions = parser.add_subparsers(dest="kernels_command", metavar="{build,list}")
     actions.required = True
 
     build = actions.add_parser("build", help="build ahead of time the kernels of the given GEMM shapes, or of a model's FP4 GEMMs")
-    build.add_argument("--arch", default="sm_100a", choices=SUPPORTED_ARCHS, help="target architecture")
+    build.add_argument("--arch", default="sm_100a", choices=_Archs(), metavar="ARCH",
+                       help="target architecture: %(choices)s (default %(default)s)")
     build.add_argument(
         "--shape", "--shapes", dest="shapes", action="extend", type=_shapes, default=[], metavar="MxNxK[,...]",
         help="GEMM shapes out[M,N] = A[M,K].B[N,K]^T, comma-separated or repeated; ? marks a symbolic dim",
