@@ -186,9 +186,12 @@ class Backend:
 
     def state_dict(self) -> dict:
         """What a checkpoint needs to resume identically: the step, the SR stream and the recorded
-        activation ranges (for export)."""
+        activation ranges (for export, ``ActivationRanges.state_lists``). Numbers, strings and lists only,
+        with the same keys before the first compile as after: ``torch.save`` stores it as it is, and
+        ``torch.distributed.checkpoint`` loads it into a fresh backend, which is a ``Stateful`` there
+        (``dcp.load({"backend": backend, ...})``), as model and optimizer state are."""
         return {"step": self._step, "forced_high_precision": self._forced_high_precision, "sr": runtime.get_rng_state(),
-                "activation_ranges": self.ranges.state_dict()}
+                "activation_ranges": self.ranges.state_lists()}
 
     def load_state_dict(self, state: dict) -> None:
         self._step = int(state["step"])

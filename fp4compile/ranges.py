@@ -97,9 +97,17 @@ class ActivationRanges:
         """{site name: history on the CPU}."""
         return {name: _values(h).clone() for name, h in {**self._loaded, **self._histories}.items()}
 
-    def load_state_dict(self, state: Optional[dict]) -> None:
-        """Replace every history by ``state``'s (``state_dict()``); a site the state lacks is cleared.
-        Histories that compiled graphs record into are written in place."""
+    def state_lists(self) -> list:
+        """The histories as ``[[site name, [entries, oldest first]], ...]`` in plain Python lists (float32
+        values, exact as Python floats): the form ``Backend.state_dict()`` holds them in. A distributed
+        checkpoint (``torch.distributed.checkpoint``) stores a list without tensors as one value and loads
+        it whole, so a fresh backend, which has no sites before it compiles, gets every history; from a
+        dict of tensors it would load only the sites the fresh backend already has: none."""
+        return [[name, history.tolist()] for name, history in self.state_dict().items()]
+
+    def load_state_dict(self, state) -> None:
+        """Replace every history by ``state``'s (``state_dict()`` or ``state_lists()``); a site the state
+        lacks is cleared. Histories that compiled graphs record into are written in place."""
         state = dict(state or {})
         for name, value in state.items():
             value = torch.as_tensor(value)

@@ -248,3 +248,53 @@ def test_a_model_built_on_meta_compiles_and_then_trains_as_one_built_on_the_cpu(
     for name, g in grads(reference).items():
         assert torch.equal(grads(model)[name], g), name  # the meta pass drew no SR bits
     assert set(backend.ranges.amax()) == {"layers.1.fc", "layers.1.out", "layers.2.fc", "layers.2.out"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend's state through torch.distributed.checkpoint
+# ---------------------------------------------------------------------------------------------
+
+
+def _train(model, backend, steps, start=0):
+    """``steps`` SGD steps (no optimizer state) from step ``start``; the losses."""
+    compiled = torch.compile(model, backend=backend)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        loss = compiled(_x(2, 16, D, seed=100 + step)).square().mean()
+        loss.backward()
+        opt.step()
+        backend.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stateful", [True, False], ids=["backend", "state_dict"])
+def test_distributed_checkpoint_loads_the_backend_state_into_a_fresh_backend(stateful, tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    uninterrupted = _train(_stack(4), Backend(inner="eager"), 3)
+
+    torch._dynamo.reset()
+    fp4compile.manual_seed(0)
+    model, backend = _stack(4), Backend(inner="eager")
+    assert _train(model, backend, 2) == uninterrupted[:2]
+    with pytest.warns(UserWarning, match="single process"):  # one process, no process group
+        dcp.save({"model": model.state_dict(), "backend": backend}, checkpoint_id=tmp_path / "step2")
+
+    # A new run: other weights, another SR state, a backend that has compiled nothing.
+    torch._dynamo.reset()
+    fp4compile.manual_seed(999)
+    torch.manual_seed(999)
+    resumed, fresh = MLPStack(4, d=D), Backend(inner="eager")
+    state = {"model": resumed.state_dict(), "backend": fresh if stateful else fresh.state_dict()}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(state, checkpoint_id=tmp_path / "step2")
+    if not stateful:
+        fresh.load_state_dict(state["backend"])
+    resumed.load_state_dict(state["model"])
+    recorded = backend.ranges.amax()
+    assert len(recorded) == 4 and fresh.ranges.amax().keys() == recorded.keys()
+    assert all(torch.equal(fresh.ranges.amax()[k], v) for k, v in recorded.items())
+    assert fresh.step(0) == 2
+    assert _train(resumed, fresh, 1, start=2) == uninterrupted[2:]
