@@ -460,10 +460,11 @@ def _plain_modules(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
             module._compiled_call_impl = call
 
 
-def _quantize_activation(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+def _quantize_activation(x: torch.Tensor, amax: torch.Tensor, scale_rule: str = "6") -> torch.Tensor:
     """x as a W4A4 server sees it: NVFP4 1x16 blocks along the features with the checkpoint's static
-    global scale (from ``amax``) and per-block scales of this x; values above amax saturate."""
-    q = formats.quantize(x, "nvfp4", "1x16", "rne", amax=amax.to(x.device))
+    global scale (from ``amax``: ``input_global_scale``, 2688 / amax, or 1536 / amax with the block scale
+    rule "4/6") and per-block scales of this x, by the recipe's rule; values above amax saturate."""
+    q = formats.quantize(x, "nvfp4", "1x16", "rne", amax=amax.to(x.device), scale_rule=scale_rule)
     return formats.dequantize(q, x.dtype)
 
 
@@ -474,7 +475,8 @@ def served(model: torch.nn.Module, backend, scheme: str = "NVFP4A16", input_amax
     each FP4 weight is quantized once on entry, as ``export`` writes it, and its decoded values replace
     the parameter's while the block runs (the master weights come back on exit); with ``scheme="NVFP4"``
     (W4A4) each FP4 layer's input is quantized in 1x16 blocks with the global scale ``input_amax`` gives
-    it (default: the ranges the backend recorded in training, as ``export``), as a W4A4 server does.
+    it (default: the ranges the backend recorded in training, as ``export``), as a W4A4 server does,
+    by the recipe's block scale rule (``Recipe.block_scale_rule``, as the weights).
     The model it yields runs its plain modules: blocks compiled one by one (``model.layers[i] =
     torch.compile(block)``, ``block.compile()``) run uncompiled inside, as they do in serving (the
     compiled training forward would quantize the activations again); call the model it yields, not a
@@ -502,7 +504,8 @@ def served(model: torch.nn.Module, backend, scheme: str = "NVFP4A16", input_amax
                     if SCHEMES[scheme]:
                         amax = torch.as_tensor(input_amax[site.name], dtype=torch.float32)
                         hooks.append(_module_of(model, site).register_forward_pre_hook(
-                            lambda m, args, amax=amax: (_quantize_activation(args[0], amax), *args[1:])
+                            lambda m, args, amax=amax: (_quantize_activation(args[0], amax, backend.recipe.block_scale_rule),
+                                                        *args[1:])
                         ))
             with torch.no_grad():
                 yield model

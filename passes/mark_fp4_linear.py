@@ -12,7 +12,9 @@ as they are, set to "high" with the reason recorded. High-precision sites are no
 exactly what the model wrote. A site set to a format other than the recipe's is refused with a
 ValueError naming it (quantizers and kernels follow the recipe's format).
 A grouped site (MoE experts, ``site.experts``) becomes ``fp4compile.grouped``'s NVFP4 grouped GEMM
-(``grouped_sites.mark``), which plans its three roles itself; under MXFP4 it stays high, with the reason.
+(``grouped_sites.mark``), which plans its three roles itself; under MXFP4, or a block scale rule other
+than "6" (``Recipe(block_scale_rule="4/6")``, which its per-expert quantizers and the grouped kernel do
+not implement), it stays high, with the reason (and, for the rule, one ``PlanWarning``).
 An ``activation_matmul`` site ``A @ B`` (two activations, ``Recipe(include_activation_matmuls=True)``)
 becomes ``fp4.matmul(A, B, site)`` (in_features = K, out_features = N must fit the blocks).
 What the three GEMMs share across the forward and the backward (one quantization of W, one read of X
@@ -31,11 +33,17 @@ import torch
 import torch.fx as fx
 
 from fp4compile import ops
+from fp4compile.contracts import broken, contract
 from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext, example_tensor
+from fp4compile.vocabulary import TORCH_GEMM_TARGETS, regions
 
 from . import grouped_sites
-from .find_gemm_sites import regions
+
+# Why a grouped site stays high under a block scale rule other than "6": its per-expert quantizers
+# (``fp4compile.grouped``) and the grouped CUTLASS kernel's epilogue implement the "6" rule only.
+GROUPED_SCALE_RULE = ("block_scale_rule={rule!r}: grouped expert GEMMs have the \"6\" block scale rule only "
+                      "(their per-expert quantizers and the grouped kernel's alpha)")
 
 
 class _Histories:
@@ -80,6 +88,16 @@ class _Histories:
         return node
 
 
+def _ensures_marked(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for graph in (gm, *(body for _, body in regions(gm))):
+        for node in graph.graph.nodes:
+            index = node.meta.get("fp4_site")
+            if index is not None and ctx.sites[index].is_low_precision and node.target in TORCH_GEMM_TARGETS:
+                broken(f"site {ctx.sites[index].name!r} runs in {ctx.sites[index].precision} but its node "
+                       f"{node.name} still calls {node.target}")
+
+
+@contract(after=("check_plan",), stages=("dynamo",), ensures=_ensures_marked)
 def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     marked = 0
     histories = _Histories(gm, ctx)
@@ -116,6 +134,10 @@ def _mark(gm: fx.GraphModule, ctx: CompileContext, histories: _Histories) -> int
             reason = f"{', '.join(bad)} not a multiple of the {site.precision} block size {bs}"
         elif site.experts is not None and site.precision != "nvfp4":
             reason = f"grouped expert GEMMs run in NVFP4 only, not {site.precision}"
+        elif site.experts is not None and ctx.recipe.block_scale_rule != "6":
+            reason = GROUPED_SCALE_RULE.format(rule=ctx.recipe.block_scale_rule)
+            ctx.warnings.append(("grouped scale rule",
+                                 f"{reason}, so the grouped expert GEMMs run in high precision (the first: {site.name})"))
         if reason is not None:
             ctx.fallback(site, "all GEMMs", reason)
             site.set_precision(HIGH, reason)
