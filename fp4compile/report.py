@@ -90,6 +90,9 @@ class Report:
         self.contexts: list[CompileContext] = []
         # What the compiler could not do as the recipe asks, one line per problem (``fp4compile.PlanWarning``).
         self.warnings: list[str] = []
+        # FSDP2 all-gathers of FP4 weights, where ``fp4compile.enable_fp4_all_gather`` was called with this
+        # backend: which weights gather in FP4 and the bytes per step (``fp4compile.fsdp.GatherStats``).
+        self.all_gather = None
 
     def add_context(self, ctx: CompileContext) -> None:
         self.contexts.append(ctx)
@@ -219,6 +222,8 @@ class Report:
             "in a buffer of the forward graph (no copy under CUDA graphs)"
             for ctx in self.latest if ctx.grad_buffers
         ]
+        if getattr(self, "all_gather", None) is not None:
+            lines += self.all_gather.lines()
         lines.append(self.summary())
         return "\n".join(lines)
 

@@ -105,10 +105,21 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     recipe = ctx.recipe
     for node in gemm_nodes(gm):
         info = node.meta.get("fp4_role")
-        if info is None or info.precision == "high":
+        if info is None:
             continue
         site = ctx.sites[node.args[3]]
         shared = [x for x in node.args[5:8] if x is not None]
+        planned = (info.precision, *info.blocks[1:2], *info.rounding[1:2])
+        if shared and planned != ("nvfp4", "16x16", "rne"):
+            # Only an FP4-gathered weight (fp4compile.fsdp) can bring its codes to a GEMM not planned for them.
+            raise RuntimeError(
+                f"fp4compile: the {info.role} GEMM of {site.name!r} is given its weight already quantized (NVFP4 "
+                f"16x16, an FSDP2 all-gather of FP4 codes: fp4compile.enable_fp4_all_gather) but its plan is "
+                f"{' '.join(planned)} for it: leave this layer out of "
+                "enable_fp4_all_gather (exclude=...)"
+            )
+        if info.precision == "high":
+            continue
         x_amax = node.args[8] if len(node.args) > 8 else None
         x_history = node.args[9] if len(node.args) > 9 and info.role == "fprop" else None
         if x_history is None and info.role == "fprop" and HISTORY_INPUT in node.meta:

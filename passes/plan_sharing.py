@@ -131,7 +131,8 @@ def plan_sharing(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             _set(fprop, x_history=None)
             fprop.meta[HISTORY_INPUT] = history.name
         dgrad, wgrad = roles.get("dgrad"), roles.get("wgrad")
-        if dgrad is not None and _shares_weight(ctx, site) and _behind_transpose(bound_arguments(dgrad)["b"]) is weight:
+        given = args.get("b_codes") is not None  # an FP4-gathered weight's codes (fp4compile.fsdp)
+        if dgrad is not None and not given and _shares_weight(ctx, site) and _behind_transpose(bound_arguments(dgrad)["b"]) is weight:
             seed, label, _ = operand_seed_and_label(ctx.recipe, site, "fprop", 1)
             layout = _layout(example_tensor(x), example_tensor(weight), args["dtype"], ctx.recipe.block_scale_rule)
             rule = scale_rule_kwargs(ctx.recipe, "nvfp4")
