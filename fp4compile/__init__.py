@@ -20,6 +20,7 @@ _LAZY = {
     "Backend": "backend", "PlanWarning": "diagnostics", "get_backend": "backend", "nvfp4_backend": "backend",
     "Baseline": "baseline",
     "explain": "explain",
+    "enable_fp4_all_gather": "fsdp",
     "calibrate": "export", "export": "export", "served": "export",
     "pipeline_text": "passes.pipeline", "precision_pass": "passes.pipeline", "print_pipeline": "passes.pipeline",
     "Recipe": "recipe",
