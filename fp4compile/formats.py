@@ -485,6 +485,10 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (vals * scale.repeat_interleave(cols, dim=-1)).to(dtype)
 
 
+# The statistics ``quantization_stats`` returns, in the order ``quantization_stats_tensor`` holds them.
+STATS = ("zero_fraction", "scale_saturated", "scale_underflow", "relative_error", "amax")
+
+
 def quantization_stats(x: torch.Tensor, q: QTensor) -> dict:
     """What NVFP4 quantization ``q`` of ``x`` (the tensor as quantized: after the RHT where the recipe
     applies it) lost, as Python numbers:
@@ -496,11 +500,24 @@ def quantization_stats(x: torch.Tensor, q: QTensor) -> dict:
       block decodes to zeros);
     - ``relative_error``: ||dequantize(q) - x|| / ||x|| in float64 (0 for an all-zero x);
     - ``amax``: the global amax q was made with.
+
+    The values of ``quantization_stats_tensor``, which computes them on x's device.
     """
+    return dict(zip(STATS, quantization_stats_tensor(x, q).tolist()))
+
+
+def quantization_stats_tensor(x: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """``quantization_stats`` as a float64 tensor [5] on x's device, in the order of ``STATS``, computed
+    with tensor ops only (no value is read back to the host: what the compiled graphs record with
+    ``fp4.record_stats``). Each fraction is a count divided by a count in float64 (counts below 2**53
+    are exact, so the division is the one correctly rounded quotient); the error is the float64 norm
+    of the difference over the float64 norm of x, both summed over contiguous copies, so that x's
+    memory layout (a transposed operand) does not change the summation order: the same bits on the
+    same device and thread count; across devices the norms' order differs (the error agrees to float64
+    rounding, about 1e-15 relative)."""
     if q.fmt != "nvfp4":
         raise ValueError(f"quantization_stats takes an NVFP4 quantization, got {q.fmt}")
-    xf = x.detach().float().reshape(q.shape)
-    cols = _BLOCK_SHAPES[q.block][1]
+    xf = x.detach().float().reshape(q.shape).contiguous()
     codes = q.codes()
     finite_nonzero = torch.isfinite(xf) & (xf != 0)
     zeros = finite_nonzero & ((codes & 7) == 0)
@@ -510,15 +527,20 @@ def quantization_stats(x: torch.Tensor, q: QTensor) -> dict:
     saturated = (sf == E4M3_MAX) & (bamax * enc > E2M1_MAX)
     occupied = bamax > 0
     deq = dequantize(q).double()
-    norm = float(xf.double().norm())
-    n_blocks = max(sf.numel(), 1)
-    return {
-        "zero_fraction": float(zeros.sum()) / max(int(finite_nonzero.sum()), 1),
-        "scale_saturated": float(saturated.sum()) / n_blocks,
-        "scale_underflow": float((occupied & (sf == 0)).sum()) / max(int(occupied.sum()), 1),
-        "relative_error": float((deq - xf.double()).norm()) / norm if norm else 0.0,
-        "amax": float(q.amax),
-    }
+    xd = xf.double()
+    norm = xd.norm()
+    one = torch.ones((), dtype=torch.float64, device=xf.device)
+
+    def count(mask):
+        return mask.sum().double()
+
+    return torch.stack((
+        count(zeros) / torch.maximum(count(finite_nonzero), one),
+        count(saturated) / max(sf.numel(), 1),
+        count(occupied & (sf == 0)) / torch.maximum(count(occupied), one),
+        torch.where(norm != 0, (deq - xd).norm() / torch.where(norm != 0, norm, one), torch.zeros_like(norm)),
+        q.amax.double().reshape(()).to(xf.device),
+    ))
 
 
 # ----------------------------------------------------------------------------------------------

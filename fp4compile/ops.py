@@ -19,6 +19,7 @@ implementations.
 | ``fp4.fake_dual_quantize(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t)`` | the two decoded operands of a gradient (1x16, and RHT(x.T)) in one launch |
 | ``fp4.emulated_mm(a_bd, amax_a, b_bd, amax_b, fmt, out_dtype)`` | emulated FP4 GEMM on block-decoded operands |
 | ``fp4.record_amax(history, amax)`` | shifts an activation amax history and writes ``amax`` last, in place (``fp4compile.ranges``) |
+| ``fp4.record_stats(stats, slot, x, codes, scales, amax, block, scale_rule)`` | shifts a quantization statistics window and writes the statistics of x's quantization last, in place (``fp4compile.quant_stats``) |
 | ``fp4.sr_base(device, keys)`` | the step's stochastic-rounding base on the device mixed with each SR node constant of a graph (int64 [2 * len(keys)]), computed when the graph runs |
 
 The ops with Triton kernels (the quantizers, ``wgrad_amax``, ``transpose_quantized``, ``decode_blocks``)
@@ -100,7 +101,7 @@ def gemm(
     a: torch.Tensor, b: torch.Tensor, role: str, site: int, dtype: torch.dtype,
     b_codes: Optional[torch.Tensor] = None, b_scales: Optional[torch.Tensor] = None,
     b_amax: Optional[torch.Tensor] = None, x_amax: Optional[torch.Tensor] = None,
-    x_history: Optional[torch.Tensor] = None,
+    x_history: Optional[torch.Tensor] = None, stats: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """C = a @ b.T in ``dtype`` (the model's compute dtype) with a [M, K], b [N, K], or batched
     a [..., M, K], b [..., N, K] with the same leading dims (activation matmuls).
@@ -114,13 +115,15 @@ def gemm(
     for fprop's a, max |RHT(X^T)| for wgrad's b (``passes/plan_sharing``); ``insert_quantize``
     hands it to that quantizer. ``x_history``, where given (fprop), is the site's activation amax
     history (``fp4compile.ranges``): the forward graph records the amax of a's quantizer into it.
+    ``stats``, where given, is the site's quantization statistics buffer (``fp4compile.quant_stats``):
+    the graphs record the statistics of both operands' quantizations into it.
     Before the passes lower it, the op computes the high-precision product and ignores all of these.
     """
     return a.to(dtype) @ b.to(dtype).transpose(-2, -1)
 
 
 @gemm.register_fake
-def _(a, b, role, site, dtype, b_codes=None, b_scales=None, b_amax=None, x_amax=None, x_history=None):
+def _(a, b, role, site, dtype, b_codes=None, b_scales=None, b_amax=None, x_amax=None, x_history=None, stats=None):
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=dtype)
 
 
@@ -485,10 +488,11 @@ class _LinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, site: int, dtype: torch.dtype, amax_history):
+    def forward(ctx, x, weight, bias, site: int, dtype: torch.dtype, amax_history, stats):
         x2 = x.reshape(-1, x.shape[-1])
-        y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype, x_history=amax_history)
-        ctx.save_for_backward(x2, weight)
+        recorded = {"stats": stats} if stats is not None else {}
+        y = torch.ops.fp4.gemm(x2, weight, "fprop", site, dtype, x_history=amax_history, **recorded)
+        ctx.save_for_backward(x2, weight, stats)
         if bias is not None:
             y = y + bias.to(dtype)
         ctx.site, ctx.dtype = site, dtype
@@ -504,31 +508,34 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2, w = ctx.saved_tensors
+        x2, w, stats = ctx.saved_tensors
+        recorded = {"stats": stats} if stats is not None else {}
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype)
+            dx = torch.ops.fp4.gemm(dy2, w.t(), "dgrad", ctx.site, ctx.dtype, **recorded)
             dx = dx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = torch.ops.fp4.gemm(dy2.t(), x2.t(), "wgrad", ctx.site, ctx.dtype)
+            dw = torch.ops.fp4.gemm(dy2.t(), x2.t(), "wgrad", ctx.site, ctx.dtype, **recorded)
             dw = dw.to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2.sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], site: int,
-    amax_history: Optional[torch.Tensor] = None,
+    amax_history: Optional[torch.Tensor] = None, stats: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``F.linear`` whose three GEMMs carry role and site tags (see ``_LinearFunction``). What the GEMMs
     share across the forward and the backward (one quantization of W, one read of X for its two amaxes)
     is planned on the joint graph (``passes/plan_sharing``). ``amax_history``: the site's activation amax
-    history (``fp4compile.ranges``), which the forward graph records fprop's amax of X into.
+    history (``fp4compile.ranges``), which the forward graph records fprop's amax of X into. ``stats``:
+    the site's quantization statistics buffer (``fp4compile.quant_stats``), which the three GEMMs'
+    quantizers record into.
     """
     x = _autocast_input(x)
-    return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x), amax_history)
+    return _LinearFunction.apply(x, weight, bias, site, _compute_dtype(x), amax_history, stats)
 
 
 linear.__name__ = "fp4_linear"
