@@ -282,7 +282,7 @@ def kernel_for(kernel: str, device) -> Optional[Callable]:
                                  "emulation instead, with the same operands, slower.")
     if key not in _warned:
         _warned.add(key)
-        from fp4compile.backend import PlanWarning
+        from fp4compile.diagnostics import PlanWarning
 
         warnings.warn(f"fp4compile: the grouped expert GEMMs that selected the CUTLASS kernel {config.name} run in "
                       f"emulation on {device} (Recipe.allow_emulation): {reason}", PlanWarning, stacklevel=2)

@@ -258,7 +258,7 @@ def kernel_for(config: GemmConfig, device, allow_emulation: bool) -> Optional[Ca
             )
         if key not in _warned:
             _warned.add(key)
-            from fp4compile.backend import PlanWarning
+            from fp4compile.diagnostics import PlanWarning
 
             warnings.warn(
                 f"fp4compile: the FP4 GEMMs that selected the CUTLASS kernel {config.name} run in emulation on "

@@ -11,6 +11,21 @@ when dynamo compiles a frame inside the model (a graph break in a block makes dy
 loop eagerly and compile each block's forward on its own), GEMM sites are named by their path in the
 compiled model and numbered among all of its blocks, and each block instance that reuses the compiled
 frame runs its own compilation (see ``_ModelScope``).
+
+From ``torch.compile`` to the first pass, on one screen:
+
+    torch.compile(model, backend="nvfp4", options=..., mode=...)
+      -> nvfp4_backend(gm, example_inputs)      the entry point registered for "nvfp4"
+      -> get_backend(options, mode)              one shared Backend per (options, mode)
+      -> Backend.__call__(gm, example_inputs)   dtype checks; where the graph sits in the model (_ModelScope)
+      -> _SwitchableGraph                       what dynamo calls; one compilation per (block instance,
+                                                high precision), made on first use (_compiled)
+      -> Backend._compile                       a CompileContext; the dynamo passes (pipeline.run_passes)
+      -> _compile_inductor / _compile_eager      aot_autograd: the joint pass, then the forward and backward
+                                                passes, then Inductor (or eager) on the result
+
+``backend=fp4compile.Backend(...)`` enters at ``Backend.__call__``. The passes and their order are in
+``passes/pipeline.py`` (names in ``fp4compile.pass_order``).
 """
 
 from __future__ import annotations
@@ -27,23 +42,19 @@ import torch
 import torch.fx as fx
 
 from fp4compile import config, grad_buffers, hf_experts, runtime
+from fp4compile.diagnostics import PlanWarning
 from fp4compile.ranges import ActivationRanges
 from fp4compile.passes import pipeline
 from fp4compile.model_structure import ModelStructure, find_root
 from fp4compile.operand_dtypes import check_gemm_dtypes
-from fp4compile.passes.find_gemm_sites import module_path, parameter_name, regions
-from fp4compile.passes.assign_precision import SWITCHED
 from fp4compile.passes.find_blocks import block_paths, model_positions
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.report import Report
 from fp4compile.sites import CompileContext, clone_dynamo_module
 
 log = logging.getLogger("fp4compile")
+from fp4compile.vocabulary import SWITCHED, module_path, parameter_name, regions
 
-
-class PlanWarning(UserWarning):
-    """The compiler cannot apply the recipe as asked to a part of the model (the message says which
-    part and why); given once per backend, and listed in ``Backend.report.warnings``."""
 
 INNER_COMPILERS = ("inductor", "eager")
 # What a copy of a Backend starts afresh: graph numbers, the root models' structures (weakly held, and

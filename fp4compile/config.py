@@ -35,6 +35,11 @@ kernel_analysis_cache: bool = True
 kernel) is done once per kernel and argument types and constants, and reused at every launch site; off:
 at every site, as Inductor does for other kernels."""
 
+check_contracts: bool = False
+"""Each pass's contract (``fp4compile.contracts``: the passes it must follow, what it requires of the
+graph, what it guarantees, fake values on the nodes it adds) is checked as it runs; a broken one raises
+``ContractError``. The test suite turns it on; it costs compile time."""
+
 cache_dir: Optional[str] = None
 """Where built CUTLASS kernels are cached; None: ``~/.cache/fp4compile``."""
 
@@ -94,9 +99,9 @@ class _PassNames:
     def check(self, value) -> str:
         if not isinstance(value, str):
             raise ValueError("expected a string: \"all\" or a comma list of pass names")
-        from fp4compile.passes import pipeline  # imported on first use: it imports every pass
+        from fp4compile import pass_order
 
-        pipeline.check_pass_selection(value)
+        pass_order.check_selection(value)
         return value
 
 
@@ -111,6 +116,7 @@ SETTINGS: dict[str, Setting] = {
     "emulated_gemm": Setting("FP4COMPILE_EMULATED_GEMM", _Choice(("auto", "cublaslt", "torch"), "auto, cublaslt or torch")),
     "in_graph_kernels": Setting("FP4COMPILE_IN_GRAPH_KERNELS", _Flag()),
     "kernel_analysis_cache": Setting("FP4COMPILE_KERNEL_ANALYSIS_CACHE", _Flag()),
+    "check_contracts": Setting("FP4COMPILE_CHECK_CONTRACTS", _Flag()),
     "cache_dir": Setting("FP4COMPILE_CACHE_DIR", _Text()),
     "nvcc": Setting("FP4COMPILE_NVCC", _Text()),
 }

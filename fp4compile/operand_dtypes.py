@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, module_path
+from fp4compile.vocabulary import LINEAR_TARGETS, MATMUL_TARGETS, module_path
 from fp4compile.sites import example_tensor
 
 _ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast

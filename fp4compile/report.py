@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from fp4compile import ops
-from fp4compile.passes.find_gemm_sites import LINEAR_TARGETS, MATMUL_TARGETS, module_path
+from fp4compile.vocabulary import LINEAR_TARGETS, MATMUL_TARGETS, module_path
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.sites import ROLES, CompileContext, GemmSite, StageGraph, copy_graph, symbols
 

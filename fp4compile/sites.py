@@ -53,6 +53,25 @@ def bound_arguments(node: torch.fx.Node) -> dict:
     return values
 
 
+def set_arguments(node: torch.fx.Node, **changes) -> None:
+    """Give the op node ``node`` the arguments ``changes``, by name; the others stay as they are (an
+    argument the node holds by position keeps its place, as does one right after its positional ones;
+    any other is given by keyword)."""
+    names = [a.name for a in node.target._schema.arguments]
+    args, kwargs = list(node.args), dict(node.kwargs)
+    for name, value in changes.items():
+        if name not in names:
+            raise TypeError(f"{node.target} has no argument {name!r}; its arguments are {', '.join(names)}")
+        i = names.index(name)
+        if i < len(args):
+            args[i] = value
+        elif i == len(args) and name not in kwargs:
+            args.append(value)
+        else:
+            kwargs[name] = value
+    node.args, node.kwargs = tuple(args), kwargs
+
+
 def call_unpacked(graph: torch.fx.Graph, target, args, outputs: int, kwargs: Optional[dict] = None) -> tuple:
     """(node, [getitem nodes 0 .. outputs-1]) for a multi-output op inserted at the graph's insert point,
     each with its ``meta["val"]`` from the op's fake implementation (the inputs' values are FakeTensors);

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from fp4compile.contracts import broken, contract
 from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext
-
-OUTSIDE_BLOCKS = "outside the repeated blocks"
-SWITCHED = "switched to high precision"  # the reason the backend's switch gives every site
+from fp4compile.vocabulary import OUTSIDE_BLOCKS
 
 
+def _ensures_precisions(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for site in ctx.sites:
+        if site.precision not in (HIGH, ctx.recipe.fmt) or not site.reason:
+            broken(f"site {site.name!r} has precision {site.precision!r} for the reason {site.reason!r}")
+
+
+@contract(after=("find_blocks",), stages=("dynamo",), ensures=_ensures_precisions)
 def assign_precision(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     recipe = ctx.recipe
     first, last = recipe.high_precision_block_counts(ctx.n_blocks)

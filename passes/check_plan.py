@@ -17,12 +17,20 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from fp4compile.contracts import broken, contract
 from fp4compile.sites import CompileContext
-
-from .assign_precision import OUTSIDE_BLOCKS, SWITCHED
-from .keep_routers_high import ROUTER, SHARED_GATE
+from fp4compile.vocabulary import OUTSIDE_BLOCKS, ROUTER, SHARED_GATE, SWITCHED
 
 
+def _ensures_warnings(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    keys = [w[0] for w in ctx.warnings]
+    if not all(isinstance(w, tuple) and len(w) == 2 and all(isinstance(t, str) for t in w) for w in ctx.warnings):
+        broken("ctx.warnings holds something other than (key, line) pairs of text")
+    if len(set(keys)) != len(keys):
+        broken(f"a problem is warned about twice: {sorted(k for k in keys if keys.count(k) > 1)[:3]}")
+
+
+@contract(after=("assign_precision",), stages=("dynamo",), ensures=_ensures_warnings)
 def check_plan(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     warnings = ctx.warnings  # with what earlier passes found (find_blocks)
     opaque: dict[str, list[str]] = {}

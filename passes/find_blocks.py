@@ -40,6 +40,7 @@ from typing import Callable, Optional
 import networkx as nx
 import torch.fx as fx
 
+from fp4compile.contracts import broken, contract
 from fp4compile.sites import CompileContext
 
 # Whether GEMMs under these module paths run one after another (a stack) or side by side.
@@ -250,6 +251,20 @@ class SiteDataFlow:
         return all(graph.has_edge(a, b) for a, b in zip(ordered, ordered[1:]))
 
 
+def _ensures_blocks(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    if len(set(ctx.block_names)) != len(ctx.block_names) or len(ctx.block_names) > ctx.n_blocks:
+        broken(f"{len(ctx.block_names)} block names for {ctx.n_blocks} blocks: {ctx.block_names[:4]}")
+    where: dict = {}
+    for site in ctx.sites:
+        if site.block is None:
+            continue
+        if not 0 <= site.block < ctx.n_blocks:
+            broken(f"site {site.name!r} is in block {site.block}, outside 0 .. {ctx.n_blocks - 1}")
+        if where.setdefault(site.block_name, site.block) != site.block:
+            broken(f"block {site.block_name!r} has two positions, {where[site.block_name]} and {site.block}")
+
+
+@contract(after=("find_gemm_sites",), stages=("dynamo",), ensures=_ensures_blocks)
 def find_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if not ctx.sites:
         return gm
@@ -287,7 +302,7 @@ def find_blocks(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
 
 def _graph_classes(gm: fx.GraphModule) -> dict[str, str]:
     """Module path -> class name from the graph's module stacks (where the backend has no root model)."""
-    from .find_gemm_sites import graph_root, module_path
+    from fp4compile.vocabulary import graph_root, module_path
 
     root = graph_root(gm)
     classes = {}

@@ -49,19 +49,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-import re
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from fp4compile.model_structure import site_name, without_wrappers
+from fp4compile.contracts import broken, contract
+from fp4compile.model_structure import site_name
 from fp4compile.sites import CompileContext, GemmSite, RoleInfo, example_tensor
+from fp4compile.vocabulary import (
+    LINEAR_TARGETS, MATMUL_TARGETS, SEEN_THROUGH, graph_root, module_stack, parameter_name,
+)
 
 from . import grouped_sites
 
-LINEAR_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
-MATMUL_TARGETS = (operator.matmul, torch.matmul, torch.mm)
 ADDMM_TARGETS = (torch.addmm,)
 # Products that are not sites are recorded in ctx.other_gemms (function targets and tensor methods).
 PRODUCT_FUNCTIONS = {
@@ -82,14 +83,6 @@ _PARAMETER_VIEW_METHODS = (
 )
 _PARAMETER_VIEW_FUNCTIONS = (torch.t, torch.transpose, torch.permute)
 _PARAMETER_VIEW_ATTRIBUTES = ("T", "mT")
-
-_LOCAL_ROOT = re.compile(r"^[LG]\['[^']*'\](?:\[[^\]]*\])*")
-# ``._modules['x']``, ``._parameters['w']``, and the same through ``.__dict__`` (how dynamo reaches the
-# module inside a wrapper whose ``__getattr__`` it does not trace, such as the checkpoint wrapper).
-_MODULES = re.compile(
-    r"(?:\.__dict__\['_modules'\]|\._modules)\['([^']*)'\]|(?:\.__dict__\['_parameters'\]|\._parameters)\['([^']*)'\]"
-    r"|\[(\d+)\]|\['([^']*)'\]"
-)
 
 
 @dataclasses.dataclass
@@ -119,88 +112,6 @@ class OtherGemm:
             and len(self.shapes[0]) == len(self.shapes[1]) in (2, 3)
         )
 
-
-def source_root(qualified: str) -> str:
-    """The frame-local object a dynamo source starts from: ``L['args'][0]`` of ``L['args'][0].model``."""
-    match = _LOCAL_ROOT.match(qualified)
-    return match.group(0) if match else ""
-
-
-def module_path(qualified: str, root: Optional[str] = None) -> str:
-    """Dynamo's ``L['self'].blocks.0.attn`` or ``L['self']._modules['blocks']...`` -> ``blocks.0.attn``.
-
-    ``root`` is the compiled model's source (``graph_root``); without it only the frame local
-    (``L['self']``) is dropped, so that objects reached through ``L['models'][0]`` and ``L['models'][1]``
-    keep distinct paths (``0.fc``, ``1.fc``).
-    """
-    if root and qualified.startswith(root):
-        path = qualified[len(root):]
-    else:
-        path = re.sub(r"^[LG]\['[^']*'\]", "", qualified)
-    path = _MODULES.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
-    return without_wrappers(path.strip("."))
-
-
-def _source_name(grapharg) -> str:
-    name = grapharg.source.name
-    return name() if callable(name) else name
-
-
-def graph_root(gm: fx.GraphModule) -> Optional[str]:
-    """The source of the one model the graph reads modules and parameters from, or None.
-
-    A model whose forward is wrapped by a decorator (Hugging Face models) is reached as
-    ``L['args'][0]``, a module compiled directly as ``L['self']``. Modules the model's code reaches
-    through its module's globals (a function wrapped as a parameter-free module, such as Hugging Face's
-    hub-kernel layers) are not the model: where the frame's locals give one root, that is it.
-    """
-    roots = set()
-    for node in gm.graph.nodes:
-        for qualified, _ in (node.meta.get("nn_module_stack") or {}).values():
-            roots.add(source_root(qualified))
-        grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
-        if grapharg is not None and "._parameters[" in _source_name(grapharg):
-            roots.add(source_root(_source_name(grapharg)))
-    local = {r for r in roots if r.startswith("L[")}
-    roots = local or roots
-    return roots.pop() if len(roots) == 1 else None
-
-
-def _stack(node: fx.Node, root: Optional[str] = None) -> list[tuple[str, str]]:
-    """[(module path, class name)] from the root's child down to the module that made ``node``; with a
-    root, only the model's own modules (not helper modules reached through globals, see ``graph_root``)."""
-    out = []
-    for qualified, cls in (node.meta.get("nn_module_stack") or {}).values():
-        if root and not qualified.startswith(root):
-            continue
-        name = cls if isinstance(cls, str) else getattr(cls, "__qualname__", str(cls))
-        out.append((module_path(qualified, root), name.rsplit(".", 1)[-1]))
-    return [(p, c) for p, c in out if p]
-
-
-def parameter_name(node: fx.Node, gm: fx.GraphModule, root: Optional[str] = None):
-    """The parameter's dotted path if ``node`` is a parameter of the model, else None."""
-    if node.op == "get_attr":
-        try:
-            value = gm.get_parameter(node.target)
-        except AttributeError:
-            return None
-        return node.target if isinstance(value, torch.nn.Parameter) else None
-    if node.op != "placeholder":
-        return None
-    grapharg = node.meta.get("grapharg")
-    if grapharg is not None:
-        source = _source_name(grapharg)
-        if isinstance(grapharg.example, torch.nn.Parameter) or "_parameters[" in source:
-            return module_path(source, root)
-        return None
-    # Without dynamo's GraphArg (it is not always attached): the fake value remembers it was a
-    # Parameter, the owning module comes from the module stack, the name from the placeholder.
-    if not isinstance(node.meta.get("example_value"), torch.nn.Parameter):
-        return None
-    name = str(node.target).rsplit("_parameters_", 1)[-1].rstrip("_")
-    stack = _stack(node, root)
-    return f"{stack[-1][0]}.{name}" if stack else name
 
 
 def _is_parameter_view(node: fx.Node) -> bool:
@@ -355,26 +266,9 @@ def _add_activation_site(node: fx.Node, ctx: CompileContext, stack, a: fx.Node, 
     ctx.sites.append(site)
 
 
-# Higher-order ops whose graph runs as part of the model's forward, its inputs bound to the op's operands
-# after the graph: GEMMs inside are sites like any other (aot_autograd inlines them, keeping the
-# checkpoint's recomputation tags).
-SEEN_THROUGH = tuple(
-    op for op in (getattr(torch.ops.higher_order, name, None) for name in ("tag_activation_checkpoint", "wrap"))
-    if op is not None
-)
 # Operator namespaces whose ops are PyTorch's own (or this backend's): anything else is a custom op.
 _OWN_NAMESPACES = ("aten", "prims", "fp4", "_c10d_functional", "c10d_functional", "_dtensor", "profiler")
 _GEMM_TARGETS = set(LINEAR_TARGETS) | set(PRODUCT_FUNCTIONS)
-
-
-def regions(gm: fx.GraphModule):
-    """(call node, region graph module) for every seen-through region of ``gm``, nested ones included."""
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in SEEN_THROUGH and isinstance(node.args[0], fx.Node):
-            body = getattr(gm, node.args[0].target, None)
-            if isinstance(body, fx.GraphModule):
-                yield node, body
-                yield from regions(body)
 
 
 class _Scan:
@@ -522,7 +416,7 @@ def _scan(scan: _Scan) -> None:
                 seen.add(id(body))
                 _scan(_Scan(body, ctx, root, outer=(scan, node)))
                 continue
-        stack = _stack(node, root)
+        stack = module_stack(node, root)
         if node.target is torch.nn.functional.multi_head_attention_forward:
             ctx.other_gemms.extend(_multihead_attention(node, scan, stack))
             ctx.opaque.append((node.name, "nn.MultiheadAttention (F.multi_head_attention_forward)",
@@ -580,6 +474,20 @@ def _scan(scan: _Scan) -> None:
         ctx.sites.append(site)
 
 
+
+def _ensures_sites(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    names = [s.name for s in ctx.sites]
+    if len(set(names)) != len(names):
+        broken(f"site names are not unique: {sorted(n for n in names if names.count(n) > 1)[:3]}")
+    nodes = {n.name for n in gm.graph.nodes}
+    for i, site in enumerate(ctx.sites):
+        if site.index != i:
+            broken(f"site {site.name!r} has index {site.index}, not its place {i} in ctx.sites")
+        if site.graph_node not in nodes:
+            broken(f"site {site.name!r}: its node {site.graph_node!r} is not in the graph")
+
+
+@contract(stages=("dynamo",), ensures=_ensures_sites)
 def find_gemm_sites(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     ctx.other_gemms = []
     ctx.opaque = []

@@ -35,15 +35,12 @@ import operator
 import torch
 import torch.fx as fx
 
-from fp4compile.sites import CompileContext, call_unpacked, example_tensor
-
-from .fuse_rht_quantize import RHT_QUANTIZE
-from .lower_gemms import FAKE_QUANTIZE, FAKE_RHT_QUANTIZE
-from .insert_quantize import QUANTIZE
+from fp4compile import vocabulary
+from fp4compile.contracts import broken, contract
+from fp4compile.sites import CompileContext, bound_arguments, call_unpacked, example_tensor, set_arguments
+from fp4compile.vocabulary import FAKE_DUAL_QUANTIZE, FAKE_QUANTIZE, FAKE_RHT_QUANTIZE, QUANTIZE, RHT_QUANTIZE, WGRAD_AMAX
 
 aten = torch.ops.aten
-WGRAD_AMAX = torch.ops.fp4.wgrad_amax.default
-FAKE_DUAL_QUANTIZE = torch.ops.fp4.fake_dual_quantize.default
 ROWS = (QUANTIZE, FAKE_QUANTIZE)
 TRANSFORMED = (RHT_QUANTIZE, FAKE_RHT_QUANTIZE)
 # Ops that only relabel memory: the producer is behind them.
@@ -65,16 +62,10 @@ EXTERN_WORDS = frozenset({
 })
 
 
-def separate_amax_costs_a_read(val: torch.Tensor) -> bool:
-    """Whether quantizing ``val`` where it lives runs an amax pass that reads it again: a CUDA tensor
-    (the Triton kernels). Elsewhere the quantizer computes its amax as part of the reference."""
-    return val.device.type == "cuda"
-
-
 def applies(node: fx.Node) -> bool:
     """Whether the quantize ``node`` runs where a separate amax pass costs a read."""
-    val = example_tensor(node.args[0])
-    return val is not None and separate_amax_costs_a_read(val)
+    val = example_tensor(bound_arguments(node)["x"])
+    return val is not None and vocabulary.separate_amax_costs_a_read(val)
 
 
 def _behind_views(node: fx.Node) -> fx.Node:
@@ -114,24 +105,23 @@ def _is_2d_transpose_of(node: fx.Node, base: fx.Node) -> bool:
 
 
 def _fmt_block(node: fx.Node) -> tuple:
-    return (node.args[2], node.args[3]) if node.target in TRANSFORMED else (node.args[1], node.args[2])
-
-
-def _amax_index(node: fx.Node) -> int:
-    """Where the ``amax`` argument sits in the node's positional arguments (after ``check``)."""
-    return 7 if node.target in TRANSFORMED else 6
+    args = bound_arguments(node)
+    return args["fmt"], args["block"]
 
 
 def _has_amax(node: fx.Node) -> bool:
-    i = _amax_index(node)
-    return len(node.args) > i and node.args[i] is not None or node.kwargs.get("amax") is not None
+    return bound_arguments(node)["amax"] is not None
 
 
 def _give_amax(node: fx.Node, amax: fx.Node, source: str) -> None:
-    i = _amax_index(node)
-    node.args = (*node.args[:i], amax)
+    set_arguments(node, amax=amax)
     if "fp4_quantize" in node.meta:
         node.meta["fp4_quantize"] = dict(node.meta["fp4_quantize"], amax=source)
+
+
+def _x(quantizer: fx.Node) -> fx.Node:
+    """The tensor a quantizer node quantizes."""
+    return bound_arguments(quantizer)["x"]
 
 
 def _call(graph: fx.Graph, target, args, val) -> fx.Node:
@@ -143,7 +133,7 @@ def _call(graph: fx.Graph, target, args, val) -> fx.Node:
 def _producer_amax(gm: fx.GraphModule, q: fx.Node) -> fx.Node:
     """amax(abs(x)) over all dims as fp32, inserted before ``q``: Inductor splits the reduction and
     computes its first stage in x's producer kernel."""
-    x = q.args[0]
+    x = bound_arguments(q)["x"]
     val = x.meta["val"]
     g = gm.graph
     dims = list(range(val.dim()))
@@ -160,10 +150,9 @@ def _make_dual(gm: fx.GraphModule, rows: fx.Node, transformed: fx.Node, base: fx
     """Replace a gradient's two decoded quantizations (``rows``: 1x16, ``transformed``: RHT of its
     transpose), whose amaxes are ``amaxes`` (from ``fp4.wgrad_amax``), by one ``fp4.fake_dual_quantize``
     of ``base``; readers of their amax outputs read ``amaxes`` instead."""
-    _, fmt, _, rounding, seed, check, _ = rows.args
-    size, _, _, rounding_t, seed_t, check_t, _ = transformed.args[1:]
-    args = (base, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, *amaxes)
-    rule = {k: v for k, v in rows.kwargs.items() if k == "scale_rule"}
+    q, t = bound_arguments(rows), bound_arguments(transformed)
+    args = (base, t["size"], q["fmt"], q["rounding"], q["seed"], q["check"], t["rounding"], t["seed"], t["check"], *amaxes)
+    rule = {"scale_rule": q["scale_rule"]} if q["scale_rule"] != "6" else {}
     with gm.graph.inserting_before(first):
         dual, outputs = call_unpacked(gm.graph, FAKE_DUAL_QUANTIZE, args, 2, rule)
     dual.meta["fp4_quantize"] = dict(rows.meta.get("fp4_quantize", {}), dual=True)
@@ -177,6 +166,13 @@ def _make_dual(gm: fx.GraphModule, rows: fx.Node, transformed: fx.Node, base: fx
         gm.graph.erase_node(old)
 
 
+def _ensures_amaxes_read(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for node in gm.graph.find_nodes(op="call_function", target=WGRAD_AMAX):
+        if not node.users:
+            broken(f"{node.name} computes amaxes nothing reads")
+
+
+@contract(after=("lower_gemms",), stages=("forward", "backward"), ensures=_ensures_amaxes_read)
 def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     nvfp4 = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ROWS + TRANSFORMED and _fmt_block(n)[0] == "nvfp4"]
@@ -185,14 +181,14 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     shared = fused = dual = 0
     taken = set()
     for r in (n for n in quantizers if n.target in TRANSFORMED):
-        x, size = r.args[0], r.args[1]
+        x, size = bound_arguments(r)["x"], bound_arguments(r)["size"]
         partner = next(
-            (q for q in rows if q not in taken and isinstance(q.args[0], fx.Node) and _is_2d_transpose_of(x, q.args[0])),
+            (q for q in rows if q not in taken and isinstance(_x(q), fx.Node) and _is_2d_transpose_of(x, _x(q))),
             None,
         )
         if partner is None:
             continue
-        base = partner.args[0]
+        base = _x(partner)
         first = min(r, partner, key=order.__getitem__)
         with gm.graph.inserting_before(first):
             _, amaxes = call_unpacked(gm.graph, WGRAD_AMAX, (base, size), 2)
@@ -206,7 +202,7 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     for q in rows:
         if q in taken:
             continue
-        if producer_is_fusible(q.args[0]):
+        if producer_is_fusible(_x(q)):
             _give_amax(q, _producer_amax(gm, q), "producer")
             fused += 1
     for n in nvfp4:

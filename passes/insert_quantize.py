@@ -25,43 +25,18 @@ With ``Recipe(block_scale_rule="4/6")`` every NVFP4 quantize and dequantize node
 from __future__ import annotations
 
 import operator
-import zlib
 from typing import Optional
 
 import torch
 import torch.fx as fx
 
-from fp4compile import distributed, runtime
-from fp4compile.sites import CompileContext, call_unpacked
-
-from .plan_gemm_roles import gemm_nodes
-
-QUANTIZE = torch.ops.fp4.quantize.default
-QUANTIZE_SHARDED = torch.ops.fp4.quantize_sharded.default
-DEQUANTIZE = torch.ops.fp4.dequantize.default
-TRANSPOSE_QUANTIZED = torch.ops.fp4.transpose_quantized.default
-
-OPERAND_NAMES = {"fprop": ("X", "W"), "dgrad": ("dY", "W^T"), "wgrad": ("dY^T", "X^T")}
-# The model tensor each operand is made of (what ``fp4compile.distributed`` declares sharded).
-OPERAND_TENSORS = {"fprop": ("X", "W"), "dgrad": ("dY", "W"), "wgrad": ("dY", "X")}
-# Activation matmul sites C = A @ B (``fp4.matmul``): fp4.gemm(A, B^T), fp4.gemm(dC, B), fp4.gemm(A^T, dC^T).
-ACTIVATION_OPERAND_NAMES = {"fprop": ("A", "B^T"), "dgrad": ("dC", "B"), "wgrad": ("A^T", "dC^T")}
-
-
-def operand_seed_and_label(recipe, site, role: str, i: int) -> tuple[int, str, str]:
-    """(SR seed constant, check label, operand name) of operand ``i`` of ``site``'s ``role`` GEMM."""
-    activation = site.kind == "activation_matmul"
-    operand_name = (ACTIVATION_OPERAND_NAMES if activation else OPERAND_NAMES)[role][i]
-    seed = runtime.node_seed(recipe.seed, zlib.crc32(site.name.encode()), role, i)
-    label = f"layer {site.name!r} {role} operand {operand_name}" if recipe.check_finite else ""
-    return seed, label, operand_name
-
-
-def scale_rule_kwargs(recipe, fmt: str) -> dict:
-    """The keyword arguments that give an NVFP4 op node the recipe's block scale rule (none for "6", the
-    ops' default, so graphs of the default recipe are unchanged)."""
-    rule = getattr(recipe, "block_scale_rule", "6")
-    return {"scale_rule": rule} if fmt == "nvfp4" and rule != "6" else {}
+from fp4compile import distributed
+from fp4compile.contracts import broken, contract
+from fp4compile.sites import CompileContext, bound_arguments, call_unpacked
+from fp4compile.vocabulary import (
+    DEQUANTIZE, HISTORY_INPUT, OPERAND_TENSORS, QUANTIZE, QUANTIZE_SHARDED, TRANSPOSE_QUANTIZED, gemm_nodes,
+    operand_seed_and_label, scale_rule_kwargs,
+)
 
 
 def _dequantize(gm: fx.GraphModule, node: fx.Node, parts: list, fmt: str, block: str, rule: dict) -> fx.Node:
@@ -92,14 +67,20 @@ def _given_x_amax(info, i: int, x_amax, group) -> Optional[fx.Node]:
     return None
 
 
-# A checkpointed fprop GEMM's activation amax history, named by its graph input (``plan_sharing``).
-HISTORY_INPUT = "fp4_amax_history_input"
-
-
 def _graph_input(gm: fx.GraphModule, name: str) -> Optional[fx.Node]:
     return next((n for n in gm.graph.nodes if n.op == "placeholder" and n.name == name), None)
 
 
+def _ensures_quantized(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for node in gemm_nodes(gm):
+        info = node.meta["fp4_role"]
+        args = bound_arguments(node)
+        dequantized = [isinstance(args[k], fx.Node) and args[k].target is DEQUANTIZE for k in ("a", "b")]
+        if dequantized != [info.precision != "high"] * 2:
+            broken(f"{node.name} ({info.role}, {info.precision}): operands dequantized {dequantized}")
+
+
+@contract(after=("plan_gemm_roles",), stages=("forward", "backward"), ensures=_ensures_quantized)
 def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inserted = 0
     recipe = ctx.recipe
@@ -107,8 +88,9 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         info = node.meta.get("fp4_role")
         if info is None:
             continue
-        site = ctx.sites[node.args[3]]
-        shared = [x for x in node.args[5:8] if x is not None]
+        gemm = bound_arguments(node)
+        site = ctx.sites[gemm["site"]]
+        shared = [gemm[k] for k in ("b_codes", "b_scales", "b_amax") if gemm[k] is not None]
         planned = (info.precision, *info.blocks[1:2], *info.rounding[1:2])
         if shared and planned != ("nvfp4", "16x16", "rne"):
             # Only an FP4-gathered weight (fp4compile.fsdp) can bring its codes to a GEMM not planned for them.
@@ -120,15 +102,15 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             )
         if info.precision == "high":
             continue
-        x_amax = node.args[8] if len(node.args) > 8 else None
-        x_history = node.args[9] if len(node.args) > 9 and info.role == "fprop" else None
+        x_amax = gemm["x_amax"]
+        x_history = gemm["x_history"] if info.role == "fprop" else None
         if x_history is None and info.role == "fprop" and HISTORY_INPUT in node.meta:
             x_history = _graph_input(gm, node.meta[HISTORY_INPUT])  # in the forward; not in a recomputation
-        new_args = list(node.args[:5])
+        operands = [gemm["a"], gemm["b"]]
         activation = site.kind == "activation_matmul"
         rule = scale_rule_kwargs(recipe, info.precision)
         for i in (0, 1):
-            operand = node.args[i]
+            operand = operands[i]
             block, rounding = info.blocks[i], info.rounding[i]
             seed, label, operand_name = operand_seed_and_label(recipe, site, info.role, i)
             args = (operand, info.precision, block, rounding, seed, label)
@@ -145,7 +127,7 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                     source, parts = _transposed(gm, node, shared)
                 else:
                     source, parts = (shared[0].args[0] if shared[0].target is operator.getitem else shared[0]), shared
-                new_args[i] = _dequantize(gm, node, parts, info.precision, block, rule)
+                operands[i] = _dequantize(gm, node, parts, info.precision, block, rule)
                 source.meta["fp4_quantize"] = dict(meta, amax_group=None, shared="fprop+dgrad")
                 inserted += 1
                 continue
@@ -157,9 +139,10 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             q.meta["fp4_quantize"] = meta
             if i == 0 and x_history is not None and info.precision == "nvfp4":
                 q.meta["fp4_amax_history"] = x_history
-            new_args[i] = _dequantize(gm, node, parts, info.precision, block, rule)
+            operands[i] = _dequantize(gm, node, parts, info.precision, block, rule)
             inserted += 1
-        node.args = tuple(new_args)
+        # The GEMM reads its operands dequantized; what it was given besides them is used up here.
+        node.args, node.kwargs = (*operands, gemm["role"], gemm["site"], gemm["dtype"]), {}
     ctx.note(f"graph {ctx.graph_id}: inserted {inserted} quantize nodes")
     return gm
 

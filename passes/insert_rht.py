@@ -11,26 +11,36 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from fp4compile.sites import CompileContext
-
-from .plan_gemm_roles import gemm_nodes
-
-RHT = torch.ops.fp4.rht.default
+from fp4compile.contracts import broken, contract
+from fp4compile.sites import CompileContext, bound_arguments, set_arguments
+from fp4compile.vocabulary import RHT, gemm_nodes
 
 
+def _ensures_rht(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for node in gemm_nodes(gm):
+        info = node.meta["fp4_role"]
+        args = bound_arguments(node)
+        transformed = [isinstance(args[k], fx.Node) and args[k].target is RHT for k in ("a", "b")]
+        wanted = info.role == "wgrad" and info.rht and info.precision != "high"
+        if transformed != [wanted, wanted]:
+            broken(f"{node.name} ({info.role}, rht={info.rht}): operands transformed {transformed}")
+
+
+@contract(after=("plan_gemm_roles",), stages=("forward", "backward"), ensures=_ensures_rht)
 def insert_rht(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inserted = 0
     for node in gemm_nodes(gm):
         info = node.meta.get("fp4_role")
         if info is None or not info.rht:
             continue
-        a, b = node.args[:2]
+        args = bound_arguments(node)
+        a, b = args["a"], args["b"]
         with gm.graph.inserting_before(node):
             ra = gm.graph.call_function(RHT, (a, ctx.recipe.rht_size))
             rb = gm.graph.call_function(RHT, (b, ctx.recipe.rht_size))
         for new, old in ((ra, a), (rb, b)):
             new.meta["val"] = torch.empty_like(old.meta["val"])
-        node.args = (ra, rb, *node.args[2:])
+        set_arguments(node, a=ra, b=rb)
         inserted += 2
     ctx.note(f"graph {ctx.graph_id}: inserted {inserted} RHT nodes")
     return gm

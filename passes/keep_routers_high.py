@@ -16,13 +16,10 @@ import operator
 
 import torch.fx as fx
 
+from fp4compile.contracts import broken, contract
 from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext
-
-from .find_gemm_sites import regions
-
-ROUTER = "router (its output selects the experts: top-k)"
-SHARED_GATE = "shared-expert gate (one output through a sigmoid)"
+from fp4compile.vocabulary import ROUTER, SHARED_GATE, regions
 _DEPTH = 8  # operations between a router's GEMM and its top-k
 
 
@@ -50,6 +47,13 @@ def _reaches(node: fx.Node, name: str, depth: int) -> bool:
     return False
 
 
+def _ensures_routers_high(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for site in ctx.sites:
+        if site.reason in (ROUTER, SHARED_GATE) and site.precision != HIGH:
+            broken(f"site {site.name!r} is a {site.reason} in {site.precision}")
+
+
+@contract(after=("assign_precision",), stages=("dynamo",), ensures=_ensures_routers_high)
 def keep_routers_high(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if not ctx.recipe.high_precision_routers:
         return gm

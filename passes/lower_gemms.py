@@ -50,22 +50,16 @@ import torch
 import torch.fx as fx
 
 from fp4compile import executors, scale_layout
-from fp4compile.sites import CompileContext, call_unpacked, example_values
-
-from .fuse_rht_quantize import RHT_QUANTIZE
-from .insert_quantize import DEQUANTIZE, QUANTIZE, QUANTIZE_SHARDED, TRANSPOSE_QUANTIZED
-from .plan_gemm_roles import gemm_nodes
-
-SCALED_MM = torch.ops.fp4.scaled_mm.default
-SWIZZLE_SCALES = torch.ops.fp4.swizzle_scales.default
-EMULATED_MM = torch.ops.fp4.emulated_mm.default
-DECODE_BLOCKS = torch.ops.fp4.decode_blocks.default
-FAKE_QUANTIZE = torch.ops.fp4.fake_quantize.default
-FAKE_RHT_QUANTIZE = torch.ops.fp4.fake_rht_quantize.default
+from fp4compile.contracts import broken, contract
+from fp4compile.sites import CompileContext, bound_arguments, call_unpacked, example_values, set_arguments
+from fp4compile.vocabulary import (
+    DECODE_BLOCKS, DEQUANTIZE, EMULATED_MM, FAKE_QUANTIZE, FAKE_RHT_QUANTIZE, QUANTIZE, QUANTIZE_SHARDED,
+    RHT_QUANTIZE, SCALED_MM, SWIZZLE_SCALES, TRANSPOSE_QUANTIZED, gemm_nodes,
+)
 TRANSPOSE = torch.ops.aten.permute.default  # [1, 0]: what aot_autograd graphs hold (Inductor lowers no aten.t)
 # Producers that write the tiled scale layout when asked.
 SWIZZLING = (QUANTIZE, RHT_QUANTIZE, TRANSPOSE_QUANTIZED, QUANTIZE_SHARDED)
-_SCALES_ARGS = (1, 4)  # where fp4.scaled_mm takes A's and B's scales
+_SCALES_ARGS = ("a_scales", "b_scales")  # fp4.scaled_mm's arguments for A's and B's scales
 _DECODED_BY = {QUANTIZE: FAKE_QUANTIZE, RHT_QUANTIZE: FAKE_RHT_QUANTIZE}
 
 log = logging.getLogger("fp4compile")
@@ -91,19 +85,20 @@ def _form(kernel: str, fmt: str, batched: bool, device: torch.device) -> str:
 # -- CUTLASS: scales in the tiled layout ---------------------------------------------------------
 
 def _is_cutlass(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is SCALED_MM and executors.is_cutlass_kernel(node.args[8])
+    return (node.op == "call_function" and node.target is SCALED_MM
+            and executors.is_cutlass_kernel(bound_arguments(node)["kernel"]))
 
 
 def _read_as_cutlass_scales(scales: fx.Node) -> bool:
     """Whether every reader of ``scales`` is a CUTLASS GEMM taking it as an operand's scales."""
-    return all(_is_cutlass(u) and all(u.args[i] is not scales or i in _SCALES_ARGS for i in range(len(u.args)))
+    return all(_is_cutlass(u) and all(v is not scales or k in _SCALES_ARGS for k, v in bound_arguments(u).items())
                for u in scales.users)
 
 
-def _tiled_scales(gm: fx.GraphModule, mm: fx.Node, index: int) -> str:
-    """Make the scales argument ``index`` of the CUTLASS GEMM ``mm`` arrive in the tiled layout; return
+def _tiled_scales(gm: fx.GraphModule, mm: fx.Node, name: str) -> str:
+    """Make the scales argument ``name`` of the CUTLASS GEMM ``mm`` arrive in the tiled layout; return
     why a separate ``fp4.swizzle_scales`` node does it, or "" where the producer writes the layout."""
-    scales = mm.args[index]
+    scales = bound_arguments(mm)[name]
     value = scales.meta.get("val")
     if isinstance(value, torch.Tensor) and value.dim() == 1:
         return ""  # tiled already
@@ -120,7 +115,7 @@ def _tiled_scales(gm: fx.GraphModule, mm: fx.Node, index: int) -> str:
     with gm.graph.inserting_before(mm):
         tiled = gm.graph.call_function(SWIZZLE_SCALES, (scales,))
     tiled.meta["val"] = SWIZZLE_SCALES(value)
-    mm.update_arg(index, tiled)
+    set_arguments(mm, **{name: tiled})
     return why
 
 
@@ -142,7 +137,10 @@ def _decoded_operand(gm: fx.GraphModule, before: fx.Node, codes: fx.Node, scales
     t = _unpacked((codes, scales))
     transposed = t is not None and t.target is TRANSPOSE_QUANTIZED
     with gm.graph.inserting_before(before):
-        bd = gm.graph.call_function(DECODE_BLOCKS, (t.args[0], t.args[1]) if transposed else (codes, scales))
+        if transposed:
+            stored = bound_arguments(t)
+            codes, scales = stored["data"], stored["scales"]
+        bd = gm.graph.call_function(DECODE_BLOCKS, (codes, scales))
         bd.meta["val"] = DECODE_BLOCKS(*example_values(bd.args))
         if transposed:
             bd = gm.graph.call_function(TRANSPOSE, (bd, [1, 0]))
@@ -154,24 +152,28 @@ def _quantizer_decodes(gm: fx.GraphModule, mm: fx.Node, index: int) -> bool:
     """Where operand ``index`` (0 or 1) of the decoded GEMM ``mm`` is ``decode_blocks`` of an
     ``fp4.quantize`` / ``fp4.rht_quantize`` that nothing else reads, have that quantizer write the
     decoded operand itself (its ``fake_`` form, same arguments and metadata). Returns whether it did."""
-    bd, amax = mm.args[2 * index], mm.args[2 * index + 1]
+    operand, operand_amax = ("a", "a_amax") if index == 0 else ("b", "b_amax")
+    gemm = bound_arguments(mm)
+    bd, amax = gemm[operand], gemm[operand_amax]
     if bd.target is not DECODE_BLOCKS or len(bd.users) != 1:
         return False
-    q = _unpacked((*bd.args, amax))
+    decoded_from = bound_arguments(bd)
+    q = _unpacked((decoded_from["data"], decoded_from["scales"], amax))
     if q is None or q.target not in _DECODED_BY:
         return False
     if any(item.target is not operator.getitem or any(u not in (bd, mm) for u in item.users) for item in q.users):
         return False
     with gm.graph.inserting_before(q):
-        fq, (decoded, fq_amax) = call_unpacked(gm.graph, _DECODED_BY[q.target], q.args, 2)
-    # The block scale rule (a keyword argument) goes with it; the scales' layout does not apply.
-    if "scale_rule" in q.kwargs:
-        fq.update_kwarg("scale_rule", q.kwargs["scale_rule"])
+        # The quantizer's arguments by name (the scales' layout does not apply to decoded values; the block
+        # scale rule is a keyword, as insert_quantize gives it).
+        quantizer, target = bound_arguments(q), _DECODED_BY[q.target]
+        names = [a.name for a in target._schema.arguments if a.name != "scale_rule"]
+        rule = {"scale_rule": quantizer["scale_rule"]} if quantizer["scale_rule"] != "6" else {}
+        fq, (decoded, fq_amax) = call_unpacked(gm.graph, target, tuple(quantizer[n] for n in names), 2, rule)
     fq.meta.update({k: v for k, v in q.meta.items() if k not in ("val", "eager_input_vals")})
     if "fp4_quantize" in q.meta:
         fq.meta["fp4_quantize"] = dict(q.meta["fp4_quantize"], decoded=True)
-    mm.update_arg(2 * index, decoded)
-    mm.update_arg(2 * index + 1, fq_amax)
+    set_arguments(mm, **{operand: decoded, operand_amax: fq_amax})
     gm.graph.erase_node(bd)
     _erase_with_items(gm, q)
     return True
@@ -184,12 +186,21 @@ def _erase_with_items(gm: fx.GraphModule, node: fx.Node) -> None:
     gm.graph.erase_node(node)
 
 
+def _ensures_lowered(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for node in gemm_nodes(gm):
+        gemm = bound_arguments(node)
+        if any(isinstance(gemm[k], fx.Node) and gemm[k].target is DEQUANTIZE for k in ("a", "b")):
+            broken(f"{node.name} ({node.meta['fp4_role'].role}) still reads dequantized operands")
+
+
+@contract(after=("fuse_rht_quantize",), stages=("forward", "backward"), ensures=_ensures_lowered)
 def lower_gemms(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     forms = {"cutlass": 0, "decoded": 0, "packed": 0}
     decoded_gemms = []
     for node in gemm_nodes(gm):
         info = node.meta.get("fp4_role")
-        a, b, role, index, dtype = node.args[:5]
+        gemm = bound_arguments(node)
+        a, b, index, dtype = gemm["a"], gemm["b"], gemm["site"], gemm["dtype"]
         if info is None or info.precision == "high":
             continue
         if not all(isinstance(x, fx.Node) and x.target is DEQUANTIZE for x in (a, b)):
@@ -199,14 +210,15 @@ def lower_gemms(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         device = node.meta["val"].device
         batched = aval.dim() > 2
         # The operands' block scale rule (their dequantize nodes': insert_quantize) sets alpha's constant.
-        rule = {key: v for key, v in a.kwargs.items() if key == "scale_rule"}
-        if rule != {key: v for key, v in b.kwargs.items() if key == "scale_rule"}:
+        a_parts, b_parts = bound_arguments(a), bound_arguments(b)
+        rule = {"scale_rule": a_parts["scale_rule"]} if a_parts["scale_rule"] != "6" else {}
+        if a_parts["scale_rule"] != b_parts["scale_rule"]:
             raise AssertionError(f"lower_gemms: {node.name}'s operands were quantized with different block scale rules")
         try:
             choice = executors.choose_gemm(m, n, k, info.precision, dtype, device, ctx.recipe.allow_emulation,
                                            batched=batched, scale_rule=rule.get("scale_rule", "6"))
         except executors.CutlassRequired as exc:
-            site = ctx.sites[node.args[3]]
+            site = ctx.sites[index]
             shape = "x".join(str(d) for d in info.shape)
             raise executors.CutlassRequired(
                 f"{site.name} {info.role} GEMM (M x N x K = {shape}): {exc}", exc.declined
@@ -214,12 +226,12 @@ def lower_gemms(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         info.kernel, info.kernel_reason = choice.name, choice.reason
         form = _form(choice.name, info.precision, batched, device)
         if form == "decoded":
-            (codes_a, scales_a, amax_a), (codes_b, scales_b, amax_b) = a.args[:3], b.args[:3]
-            operands = (_decoded_operand(gm, node, codes_a, scales_a), amax_a,
-                        _decoded_operand(gm, node, codes_b, scales_b), amax_b)
+            operands = (_decoded_operand(gm, node, a_parts["data"], a_parts["scales"]), a_parts["amax"],
+                        _decoded_operand(gm, node, b_parts["data"], b_parts["scales"]), b_parts["amax"])
             target, args = EMULATED_MM, (*operands, info.precision, dtype)
         else:
-            target, args = SCALED_MM, (*a.args[:3], *b.args[:3], info.precision, dtype, choice.name)
+            packed = tuple(p[k] for p in (a_parts, b_parts) for k in ("data", "scales", "amax"))
+            target, args = SCALED_MM, (*packed, info.precision, dtype, choice.name)
         with gm.graph.inserting_before(node):
             mm = gm.graph.call_function(target, args, rule)
         mm.meta.update({k: v for k, v in node.meta.items() if k != "eager_input_vals"})
@@ -240,8 +252,8 @@ def lower_gemms(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         by_quantizer = sum(_quantizer_decodes(gm, mm, i) for mm in decoded_gemms for i in (0, 1))
     separate = 0
     for mm in [n for n in gm.graph.nodes if _is_cutlass(n)]:
-        for index, operand in zip(_SCALES_ARGS, "AB"):
-            why = _tiled_scales(gm, mm, index)
+        for name, operand in zip(_SCALES_ARGS, "AB"):
+            why = _tiled_scales(gm, mm, name)
             if why:
                 separate += 1
                 info = mm.meta.get("fp4_role")

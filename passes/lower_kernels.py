@@ -47,7 +47,9 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fp4compile import config, executors, runtime
+from fp4compile.contracts import broken, contract
 from fp4compile.sites import CompileContext, bound_arguments
+from fp4compile.vocabulary import SR_BASE
 
 KERNEL_OPS = {
     torch.ops.fp4.quantize.default: "fp4.quantize",
@@ -60,7 +62,6 @@ KERNEL_OPS = {
     torch.ops.fp4.decode_blocks.default: "fp4.decode_blocks",
     torch.ops.fp4.emulated_mm.default: "fp4.emulated_mm",
 }
-SR_BASE = torch.ops.fp4.sr_base.default
 _CHECK_ARGS = ("check", "check_t")
 _STREAM_ARGS = (("rounding", "seed"), ("rounding_t", "seed_t"))  # each rounding argument and its seed
 _ROUNDING_ARGS = tuple(rounding for rounding, _ in _STREAM_ARGS)
@@ -338,6 +339,13 @@ def _key_streams(node: fx.Node, args: dict, keys: _StreamKeys) -> None:
         args[seed] = 0
 
 
+def _ensures_one_base_per_device(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    devices = [str(n.meta["val"].device) for n in gm.graph.find_nodes(op="call_function", target=SR_BASE)]
+    if len(set(devices)) != len(devices):
+        broken(f"several fp4.sr_base nodes for one device: {devices}")
+
+
+@contract(after=("fuse_amax", "record_ranges"), stages=("forward", "backward"), ensures=_ensures_one_base_per_device)
 def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inductor = getattr(ctx, "inner", None) == "inductor"
     if inductor:

@@ -34,10 +34,11 @@ import torch.fx as fx
 
 from fp4compile import ops
 from fp4compile.recipe import HIGH
+from fp4compile.contracts import broken, contract
 from fp4compile.sites import CompileContext, example_tensor
+from fp4compile.vocabulary import TORCH_GEMM_TARGETS, regions
 
 from . import grouped_sites
-from .find_gemm_sites import regions
 
 # Why a grouped site stays high under a block scale rule other than "6": its per-expert quantizers
 # (``fp4compile.grouped``) and the grouped CUTLASS kernel's epilogue implement the "6" rule only.
@@ -87,6 +88,16 @@ class _Histories:
         return node
 
 
+def _ensures_marked(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for graph in (gm, *(body for _, body in regions(gm))):
+        for node in graph.graph.nodes:
+            index = node.meta.get("fp4_site")
+            if index is not None and ctx.sites[index].is_low_precision and node.target in TORCH_GEMM_TARGETS:
+                broken(f"site {ctx.sites[index].name!r} runs in {ctx.sites[index].precision} but its node "
+                       f"{node.name} still calls {node.target}")
+
+
+@contract(after=("check_plan",), stages=("dynamo",), ensures=_ensures_marked)
 def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     marked = 0
     histories = _Histories(gm, ctx)

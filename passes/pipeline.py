@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch.fx as fx
 
-from fp4compile import config
+from fp4compile import config, contracts, pass_order
 from fp4compile.sites import CompileContext
 
 from .assign_precision import assign_precision
@@ -44,47 +44,33 @@ from .record_ranges import record_ranges
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 
-DYNAMO_PASSES: list[Pass] = [
-    find_gemm_sites, find_blocks, assign_precision, keep_routers_high, check_plan, mark_fp4_linear,
-]
+_BY_NAME = {p.__name__: p for p in (
+    find_gemm_sites, find_blocks, assign_precision, keep_routers_high, check_plan, mark_fp4_linear, plan_sharing,
+    plan_gemm_roles, insert_rht, insert_quantize, fuse_rht_quantize, lower_gemms, fuse_amax,
+    record_ranges, lower_kernels,
+)}
+# The order is declared once, by name, in ``fp4compile.pass_order``.
+DYNAMO_PASSES: list[Pass] = [_BY_NAME[n] for n in pass_order.DYNAMO]
 # User precision passes are inserted at this index of DYNAMO_PASSES (after keep_routers_high).
-USER_PASS_INDEX = DYNAMO_PASSES.index(keep_routers_high) + 1
-JOINT_PASSES: list[Pass] = [plan_sharing]
-AOT_PASSES: list[Pass] = [
-    plan_gemm_roles, insert_rht, insert_quantize, fuse_rht_quantize, lower_gemms, fuse_amax, record_ranges,
-    lower_kernels,
-]
+USER_PASS_INDEX = pass_order.DYNAMO.index(pass_order.USER_PASSES_AFTER) + 1
+JOINT_PASSES: list[Pass] = [_BY_NAME[n] for n in pass_order.JOINT]
+AOT_PASSES: list[Pass] = [_BY_NAME[n] for n in pass_order.AOT]
 
 
 def pass_name(p: Pass) -> str:
     return getattr(p, "pass_name", None) or getattr(p, "__name__", type(p).__name__)
 
 
-# The names of the passes made with ``precision_pass`` so far, which ``print_ir_after`` may name too.
-_PRECISION_PASS_NAMES: set[str] = set()
-
-
 def pass_names(user_passes: Sequence[Pass] = ()) -> list[str]:
     """Every pass's name in pipeline order (``pipeline_text``'s), ``user_passes`` in their place."""
-    return [pass_name(p) for p in dynamo_pipeline(user_passes) + JOINT_PASSES + AOT_PASSES]
+    return pass_order.names([pass_name(p) for p in user_passes])
 
 
 def check_pass_selection(selection, user_passes: Sequence[Pass] = ()) -> None:
     """Raise a ValueError unless every name in ``selection`` (a comma list or a sequence of names, as
     ``print_ir_after`` takes) is "all", a pass of the pipeline, one of ``user_passes`` or a pass made with
     ``precision_pass``; the error lists the names there are."""
-    if selection is None:
-        return
-    names = [s.strip() for s in (selection.split(",") if isinstance(selection, str) else selection)]
-    known = ["all", *pass_names(user_passes)]
-    known += sorted(_PRECISION_PASS_NAMES - set(known))
-    unknown = [n for n in names if n and n not in known]
-    if unknown:
-        import difflib
-
-        close = [m for n in unknown for m in difflib.get_close_matches(n, known, n=1)]
-        hint = f" (did you mean {', '.join(repr(m) for m in close)}?)" if close else ""
-        raise ValueError(f"no pass is named {', '.join(repr(n) for n in unknown)}{hint}; the names are: {', '.join(known)}")
+    pass_order.check_selection(selection, [pass_name(p) for p in user_passes])
 
 
 def precision_pass(fn: Pass = None, *, name: str = None):
@@ -96,7 +82,7 @@ def precision_pass(fn: Pass = None, *, name: str = None):
 
     def wrap(f):
         f.pass_name = name or f.__name__
-        _PRECISION_PASS_NAMES.add(f.pass_name)
+        pass_order.precision_pass_names.add(f.pass_name)
         return f
 
     return wrap(fn) if fn is not None else wrap
@@ -142,14 +128,26 @@ def _print_after(selection, name: str) -> bool:
     return "all" in names or name in names
 
 
+def _ran(ctx: CompileContext) -> list[str]:
+    """The passes that ran on this compilation so far: its dynamo graph's, then the joint graph's and the
+    current stage's (the forward's and backward's run on separate graphs)."""
+    return [g.pass_name for g in ctx.graphs if g.pass_name != "input"
+            and g.stage in ("dynamo", "joint", ctx.stage)]
+
+
 def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Pass], stage: str, print_ir_after=None):
     """Run ``passes`` on ``gm`` in order. After each: the graph is linted and snapshotted for the report
     (``ctx.graphs``), its time added to ``ctx.pass_seconds``; after the last: on aot_autograd's graphs
     (functional) the nodes nothing uses are removed, and the module's code is generated once.
-    Passes edit ``gm.graph`` and leave recompiling to this function."""
+    Passes edit ``gm.graph`` and leave recompiling to this function. With ``config.check_contracts``,
+    each pass's contract (``fp4compile.contracts``) is checked before and after it runs."""
     ctx.record(stage, "input", gm)
+    checking = config.check_contracts
     for p in passes:
         name = pass_name(p)
+        if checking:
+            contracts.check_before(p, name, gm, ctx, stage, _ran(ctx))
+            before = set(gm.graph.nodes)
         start = time.perf_counter()
         out = p(gm, ctx)
         if out is not None and not isinstance(out, fx.GraphModule):
@@ -161,6 +159,8 @@ def run_passes(gm: fx.GraphModule, ctx: CompileContext, passes: Sequence[Pass], 
             gm = out
         gm.graph.lint()
         ctx.pass_seconds[(stage, name)] = ctx.pass_seconds.get((stage, name), 0.0) + time.perf_counter() - start
+        if checking:
+            contracts.check_after(p, name, gm, ctx, stage, before)
         ctx.record(stage, name, gm)
         if _print_after(print_ir_after, name):
             print(f"# ---- fp4compile: graph {ctx.graph_id} {stage} after {name} ----")

@@ -33,15 +33,12 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from fp4compile.sites import CompileContext, RoleInfo
+from fp4compile.contracts import broken, contract
+from fp4compile.sites import ROLES, CompileContext, RoleInfo, bound_arguments, set_arguments
+from fp4compile.vocabulary import gemm_nodes
 
-GEMM = torch.ops.fp4.gemm.default
 PAD = torch.ops.aten.constant_pad_nd.default
 SYM_SIZE = torch.ops.aten.sym_size.int
-
-
-def gemm_nodes(gm: fx.GraphModule):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is GEMM]
 
 
 def _static(d):
@@ -62,7 +59,8 @@ def _is_multiple(d, bs: int) -> bool:
 def _pad_tokens(gm: fx.GraphModule, node: fx.Node, bs: int):
     """Zero-pad both operands of the wgrad ``node`` along the token (last) dim to a multiple of ``bs``;
     returns the padded token count (int or SymInt)."""
-    a = node.args[0]
+    gemm = bound_arguments(node)
+    a = gemm["a"]
     k = a.meta["val"].shape[-1]
     with gm.graph.inserting_before(node):
         if _static(k):
@@ -75,14 +73,12 @@ def _pad_tokens(gm: fx.GraphModule, node: fx.Node, bs: int):
             pad = gm.graph.call_function(operator.mod, (neg, bs))
             pad.meta["val"] = (-k) % bs
         padded_k = k + (pad.meta["val"] if isinstance(pad, fx.Node) else pad)
-        new_args = list(node.args)
-        for i in (0, 1):
-            operand = node.args[i]
-            val = operand.meta["val"]
-            new = gm.graph.call_function(PAD, (operand, [0, pad], 0.0))
-            new.meta["val"] = val.new_empty((*val.shape[:-1], padded_k))
-            new_args[i] = new
-    node.args = tuple(new_args)
+        padded = {}
+        for name in ("a", "b"):
+            val = gemm[name].meta["val"]
+            padded[name] = gm.graph.call_function(PAD, (gemm[name], [0, pad], 0.0))
+            padded[name].meta["val"] = val.new_empty((*val.shape[:-1], padded_k))
+    set_arguments(node, **padded)
     return padded_k
 
 
@@ -90,13 +86,24 @@ def _is_backward(gm: fx.GraphModule) -> bool:
     return any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
 
 
+def _ensures_roles(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for node in gemm_nodes(gm):
+        info = node.meta.get("fp4_role")
+        if not isinstance(info, RoleInfo) or info.role not in ROLES:
+            broken(f"{node.name} has no planned role (meta['fp4_role'] = {info!r})")
+        if ctx.sites[bound_arguments(node)["site"]].roles.get(info.role) is not info:
+            broken(f"{node.name}: the site's {info.role} is not the plan on its node")
+
+
+@contract(after=("mark_fp4_linear",), stages=("forward", "backward"), ensures=_ensures_roles)
 def plan_gemm_roles(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     recipe = ctx.recipe
     bs = recipe.block_size
     planned = padded = 0
     seen = set()
     for node in gemm_nodes(gm):
-        a, b, role, index = node.args[:4]
+        gemm = bound_arguments(node)
+        a, b, role, index = gemm["a"], gemm["b"], gemm["role"], gemm["site"]
         site = ctx.sites[index]
         seen.add((index, role))
         aval = a.meta["val"]

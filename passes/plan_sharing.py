@@ -38,23 +38,12 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fp4compile import distributed, executors, scale_layout
-from fp4compile.sites import CompileContext, bound_arguments, call_unpacked, example_tensor
-
-from . import fuse_amax
-from .insert_quantize import HISTORY_INPUT, operand_seed_and_label, scale_rule_kwargs
-from .plan_gemm_roles import gemm_nodes
-
-QUANTIZE = torch.ops.fp4.quantize.default
-WGRAD_AMAX = torch.ops.fp4.wgrad_amax.default
+from fp4compile import distributed, executors, scale_layout, vocabulary
+from fp4compile.contracts import broken, contract
+from fp4compile.sites import CompileContext, bound_arguments, call_unpacked, example_tensor, set_arguments
+from fp4compile.vocabulary import HISTORY_INPUT, QUANTIZE, WGRAD_AMAX, gemm_nodes, operand_seed_and_label, scale_rule_kwargs
 # What a node inserted for a GEMM takes from it: its checkpointed region (for the partitioner) and source.
 _TAGS = ("ac_graph_id", "stack_trace", "nn_module_stack")
-
-
-def _set(node: fx.Node, **changes) -> None:
-    """Give the ``fp4.gemm`` node ``changes`` (arguments by name); all its arguments become positional."""
-    values = {**bound_arguments(node), **changes}
-    node.args, node.kwargs = tuple(values[a.name] for a in node.target._schema.arguments), {}
 
 
 def _behind_transpose(node) -> Optional[fx.Node]:
@@ -100,13 +89,29 @@ def _amax_size(ctx: CompileContext, site, x: fx.Node) -> Optional[int]:
     if distributed.group_key(site.name, "X", ctx.sharded_amax) is not None:
         return None
     val = example_tensor(x)
-    if val is None or val.dim() != 2 or not fuse_amax.separate_amax_costs_a_read(val):
+    if val is None or val.dim() != 2 or not vocabulary.separate_amax_costs_a_read(val):
         return None
     if not isinstance(val.shape[0], int):
         return None  # symbolic: possibly padded
     return recipe.rht_size if val.shape[0] % recipe.rht_size == 0 else None
 
 
+def _requires_joint(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    if not any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes):
+        broken("the graph has no tangents: it is not aot_autograd's joint forward-backward graph")
+
+
+def _ensures_shared(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    for node in gemm_nodes(gm):
+        args = bound_arguments(node)
+        given = [args.get(k) is not None for k in ("b_codes", "b_scales", "b_amax")]
+        if any(given) and not all(given):
+            broken(f"{node.name} is given part of a quantized weight (b_codes, b_scales, b_amax: {given})")
+        if "recompute" in node.meta and args.get("x_history") is not None:
+            broken(f"{node.name} is recomputed in a checkpointed region but still takes an amax history")
+
+
+@contract(after=("mark_fp4_linear",), stages=("joint",), requires=_requires_joint, ensures=_ensures_shared)
 def plan_sharing(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     by_site: dict = defaultdict(dict)
     for node in gemm_nodes(gm):
@@ -128,7 +133,7 @@ def plan_sharing(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             # A recomputed GEMM would need the history in the backward: the partitioner would keep it
             # for the backward, and autograd would refuse a backward after the history is written again
             # (a block called twice, the next micro-batch). Only the forward records into it.
-            _set(fprop, x_history=None)
+            set_arguments(fprop, x_history=None)
             fprop.meta[HISTORY_INPUT] = history.name
         dgrad, wgrad = roles.get("dgrad"), roles.get("wgrad")
         given = args.get("b_codes") is not None  # an FP4-gathered weight's codes (fp4compile.fsdp)
@@ -140,14 +145,14 @@ def plan_sharing(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                             rule)
             parts[0].args[0].meta["fp4_quantize"] = {"site": site.name, "role": "fprop", "operand": "W", "block": "16x16",
                                                      "rounding": "rne", "amax_group": None, "shared": "fprop+dgrad", **rule}
-            _set(fprop, b_codes=parts[0], b_scales=parts[1], b_amax=parts[2])
-            _set(dgrad, b_codes=parts[0], b_scales=parts[1], b_amax=parts[2])
+            set_arguments(fprop, b_codes=parts[0], b_scales=parts[1], b_amax=parts[2])
+            set_arguments(dgrad, b_codes=parts[0], b_scales=parts[1], b_amax=parts[2])
             shared += 1
         size = _amax_size(ctx, site, x) if wgrad is not None else None
         if size is not None and _behind_transpose(bound_arguments(wgrad)["b"]) is x:
             x_amax, x_rht_amax = _insert(gm.graph, fprop, WGRAD_AMAX, (x, size), 2, tags)
-            _set(fprop, x_amax=x_amax)
-            _set(wgrad, x_amax=x_rht_amax)
+            set_arguments(fprop, x_amax=x_amax)
+            set_arguments(wgrad, x_amax=x_rht_amax)
             amaxes += 1
     if shared or amaxes:
         ctx.note(f"graph {ctx.graph_id}: {shared} weights quantized once for fprop and dgrad, "

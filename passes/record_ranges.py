@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 
-from fp4compile import ranges  # noqa: F401  (registers fp4.record_amax)
+from fp4compile.contracts import broken, contract
 from fp4compile.sites import CompileContext
-
-RECORD_AMAX = torch.ops.fp4.record_amax.default
+from fp4compile.vocabulary import RECORD_AMAX
 
 
 def _amax_output(gm: fx.GraphModule, q: fx.Node) -> fx.Node:
@@ -36,6 +34,14 @@ def _amax_output(gm: fx.GraphModule, q: fx.Node) -> fx.Node:
     return item
 
 
+def _ensures_recorded(gm: fx.GraphModule, ctx: CompileContext) -> None:
+    if any("fp4_amax_history" in n.meta for n in gm.graph.nodes):
+        broken("a quantize node still carries its amax history in meta['fp4_amax_history']")
+    if ctx.stage != "forward" and gm.graph.find_nodes(op="call_function", target=RECORD_AMAX):
+        broken(f"the {ctx.stage} graph records activation amaxes: one record per training forward")
+
+
+@contract(after=("insert_quantize",), stages=("forward", "backward"), ensures=_ensures_recorded)
 def record_ranges(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     recorded = 0
     for q in list(gm.graph.nodes):

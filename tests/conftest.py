@@ -7,6 +7,8 @@ import torch
 # and torch.compile imports it early, so it is set here, before any test module loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every pass's contract is checked as it runs (fp4compile.contracts), before fp4compile reads its settings.
+os.environ.setdefault("FP4COMPILE_CHECK_CONTRACTS", "1")
 
 
 def pytest_collection_modifyitems(config, items):

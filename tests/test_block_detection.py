@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import fp4compile
 from fp4compile import Backend, Recipe
 from fp4compile.passes.find_blocks import block_paths
-from fp4compile.passes.find_gemm_sites import module_path, source_root
+from fp4compile.vocabulary import module_path, source_root
 from models import MLP, Attention
 
 

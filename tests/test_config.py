@@ -20,11 +20,13 @@ def test_each_variable_sets_its_field():
         "FP4COMPILE_CHECK_FINITE": "1", "FP4COMPILE_PRINT_IR_AFTER": "insert_rht,lower_gemms",
         "FP4COMPILE_EMULATED_GEMM": "Torch", "FP4COMPILE_IN_GRAPH_KERNELS": "off",
         "FP4COMPILE_KERNEL_ANALYSIS_CACHE": "0", "FP4COMPILE_CACHE_DIR": "~/kernels", "FP4COMPILE_NVCC": "/opt/cuda/bin/nvcc",
+        "FP4COMPILE_CHECK_CONTRACTS": "yes",
     }
     assert set(env) == {s.variable for s in config.SETTINGS.values()}
     assert config.from_environment(env) == dict(
         check_finite=True, print_ir_after="insert_rht,lower_gemms", emulated_gemm="torch",
         in_graph_kernels=False, kernel_analysis_cache=False, cache_dir="~/kernels", nvcc="/opt/cuda/bin/nvcc",
+        check_contracts=True,
     )
     for off in ("0", "false", "No", "OFF"):
         assert config.from_environment({"FP4COMPILE_CHECK_FINITE": off})["check_finite"] is False

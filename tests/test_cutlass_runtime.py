@@ -316,10 +316,10 @@ def test_the_lowering_names_the_site_of_a_gemm_without_a_kernel(monkeypatch, fre
 
     choose_gemm = executors.choose_gemm
 
-    def no_kernel(m, n, k, fmt, out_dtype, device, allow_emulation=True, batched=False):
+    def no_kernel(m, n, k, fmt, out_dtype, device, allow_emulation=True, batched=False, scale_rule="6"):
         if not allow_emulation:
             raise executors.CutlassRequired("N is not a multiple of 32; Recipe(allow_emulation=True) ...")
-        return choose_gemm(m, n, k, fmt, out_dtype, device, allow_emulation, batched)
+        return choose_gemm(m, n, k, fmt, out_dtype, device, allow_emulation, batched, scale_rule=scale_rule)
 
     monkeypatch.setattr(executors, "choose_gemm", no_kernel)
     from models import MLPStack

@@ -149,18 +149,19 @@ def test_gpu_fuse_amax_keeps_the_bits(fresh_dynamo, monkeypatch, decoded, autoca
     its quantizations; without the RHT, a float32 X takes its amax from the producer (under autocast X
     is a bf16 cast of the producer's output, which keeps its own pass). The step keeps the bits it has
     with every quantizer's own amax pass."""
+    from fp4compile import vocabulary
     from fp4compile.passes import fuse_amax as amax_module
 
     torch.manual_seed(0)
     model = NormMLP()
     x = torch.randn(4, 256, 256, device="cuda")
     g = torch.randn(4, 256, 256, device="cuda")
-    applies, costs = amax_module.applies, amax_module.separate_amax_costs_a_read
+    applies, costs = amax_module.applies, vocabulary.separate_amax_costs_a_read
     results = {}
     for on in (True, False):
         torch._dynamo.reset()
         monkeypatch.setattr(amax_module, "applies", applies if on else (lambda node: False))
-        monkeypatch.setattr(amax_module, "separate_amax_costs_a_read", costs if on else (lambda val: False))
+        monkeypatch.setattr(vocabulary, "separate_amax_costs_a_read", costs if on else (lambda val: False))
         runtime.manual_seed(11)
         m = NormMLP().cuda()
         m.load_state_dict(model.state_dict())

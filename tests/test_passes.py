@@ -13,11 +13,11 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition
 from functorch.compile import make_boxed_func
 
-from fp4compile import Recipe, ops
+from fp4compile import Recipe, ops, vocabulary
 from fp4compile.passes import fuse_amax as amax_module
+from fp4compile.passes import pipeline
 from fp4compile.passes import lower_gemms as gemms_module
 from fp4compile.passes.assign_precision import assign_precision
-from fp4compile.passes.find_blocks import find_blocks
 from fp4compile.passes.find_gemm_sites import find_gemm_sites
 from fp4compile.passes.fuse_amax import fuse_amax
 from fp4compile.passes.fuse_rht_quantize import fuse_rht_quantize
@@ -27,7 +27,15 @@ from fp4compile.passes.lower_gemms import lower_gemms
 from fp4compile.passes.mark_fp4_linear import mark_fp4_linear
 from fp4compile.passes.plan_gemm_roles import plan_gemm_roles
 from fp4compile.passes.plan_sharing import plan_sharing
-from fp4compile.sites import CompileContext, clone_dynamo_module
+from fp4compile.sites import CompileContext, bound_arguments, clone_dynamo_module
+
+
+def upto(passes, last):
+    """The passes of a pipeline list up to and including ``last``, in the pipeline's order."""
+    return passes[: passes.index(last) + 1]
+
+
+MARKING = upto(pipeline.DYNAMO_PASSES, mark_fp4_linear)  # find_gemm_sites ... mark_fp4_linear
 
 F4 = torch.ops.fp4
 
@@ -99,7 +107,7 @@ def test_find_gemm_sites_finds_linears_and_parameter_matmuls(dynamo_graph):
 def test_find_blocks_and_assign_precision(dynamo_graph):
     _, gm, _ = dynamo_graph
     ctx = CompileContext(Recipe(), 0)
-    for p in (find_gemm_sites, find_blocks, assign_precision):
+    for p in upto(pipeline.DYNAMO_PASSES, assign_precision):
         p(gm, ctx)
     assert ctx.n_blocks == 4 and ctx.block_names == [f"blocks.{i}" for i in range(4)]
     plan = {s.name: (s.block, s.precision) for s in ctx.sites}
@@ -139,7 +147,7 @@ def test_modules_reached_through_globals_are_not_the_model():
 def test_mark_fp4_linear_rewrites_only_low_precision_sites(dynamo_graph):
     _, gm, _ = dynamo_graph
     ctx = CompileContext(Recipe(), 0)
-    for p in (find_gemm_sites, find_blocks, assign_precision):
+    for p in upto(pipeline.DYNAMO_PASSES, assign_precision):
         p(gm, ctx)
     linear_before = targets(gm).count(torch._C._nn.linear)
     mark_fp4_linear(gm, ctx)
@@ -160,7 +168,7 @@ def aot_graphs(gm, example, ctx, passes):
 def marked(dynamo_graph):
     _, gm, example = dynamo_graph
     ctx = CompileContext(Recipe(), 0)
-    for p in (find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear):
+    for p in MARKING:
         p(gm, ctx)
     return gm, example, ctx
 
@@ -170,7 +178,7 @@ def marked_unshared(dynamo_graph):
     """``marked`` with every weight quantized by each of its GEMMs (Recipe(share_weight=False))."""
     _, gm, example = dynamo_graph
     ctx = CompileContext(Recipe(share_weight=False), 0)
-    for p in (find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear):
+    for p in MARKING:
         p(gm, ctx)
     return gm, example, ctx
 
@@ -261,7 +269,7 @@ def test_fuse_rht_quantize_fuses_both_wgrad_operands(dynamo_graph, fmt, block):
     Triton kernel per format), with the seed and metadata of the quantize it replaces."""
     _, gm, example = dynamo_graph
     ctx = CompileContext(Recipe(fmt=fmt), 0)
-    for p in (find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear):
+    for p in MARKING:
         p(gm, ctx)
     unfused = aot_graphs(gm, example, ctx, [plan_gemm_roles, insert_rht, insert_quantize, lower_gemms])
     seeds = {(n.meta["fp4_quantize"]["site"], n.meta["fp4_quantize"]["operand"]): n.args[4]
@@ -331,7 +339,7 @@ def _run_with_grads(gm, example, ctx, passes, joint=None):
     return out, y.detach(), [t.grad for t in inputs if t.requires_grad]
 
 
-LOWERED = [plan_gemm_roles, insert_rht, insert_quantize, fuse_rht_quantize, lower_gemms]
+LOWERED = upto(pipeline.AOT_PASSES, lower_gemms)  # plan_gemm_roles ... lower_gemms, as the backend runs them
 
 
 @pytest.mark.parametrize("decoded", [True, False])
@@ -391,8 +399,8 @@ def test_lower_gemms_decoded_by_quantizers_gives_the_same_bits(marked_unshared, 
     fp4compile.manual_seed(3)
     _, y_ref, grads_ref = _run_with_grads(gm, example, ctx, LOWERED)
     plain = aot_graphs(gm, example, ctx, LOWERED)
-    quantize_args = {(n.meta["fp4_quantize"]["site"], n.meta["fp4_quantize"]["operand"], n.meta["fp4_quantize"]["role"]): n.args
-                     for g in plain.values() for n in g.graph.nodes
+    quantize_args = {(n.meta["fp4_quantize"]["site"], n.meta["fp4_quantize"]["operand"], n.meta["fp4_quantize"]["role"]):
+                     bound_arguments(n) for g in plain.values() for n in g.graph.nodes
                      if n.target in (F4.quantize.default, F4.rht_quantize.default)}
     monkeypatch.setattr(gemms_module, "decodes_on", lambda device: True)
     ctx.recipe = ctx.recipe.replace(decoded_operands=True)
@@ -414,7 +422,9 @@ def test_lower_gemms_decoded_by_quantizers_gives_the_same_bits(marked_unshared, 
         meta = node.meta["fp4_quantize"]
         assert meta["decoded"] is True
         want = quantize_args[(meta["site"], meta["operand"], meta["role"])]
-        assert node.args[1:] == want[1:] and node.args[0].name == want[0].name  # same operand, seed, label
+        got = bound_arguments(node)
+        assert got.pop("x").name == want["x"].name  # the same operand, seed and label
+        assert got == {k: v for k, v in want.items() if k not in ("x", "layout")}
     for mm in role_nodes(backward, F4.emulated_mm.default):
         assert mm.meta["fp4_role"].role in ("dgrad", "wgrad") and mm.args[4:] == ("nvfp4", torch.float32)
         for operand, amax in ((mm.args[0], mm.args[1]), (mm.args[2], mm.args[3])):
@@ -507,10 +517,10 @@ def test_forward_shares_x_amaxes_with_wgrad(dynamo_graph, monkeypatch, decoded):
     monkeypatch.setattr(amax_module, "applies", lambda node: True)
     results = {}
     for shared in (False, True):
-        monkeypatch.setattr(amax_module, "separate_amax_costs_a_read", lambda val: shared)
+        monkeypatch.setattr(vocabulary, "separate_amax_costs_a_read", lambda val: shared)
         marked = clone_dynamo_module(gm)
         ctx = CompileContext(Recipe(decoded_operands=decoded), 0)
-        for p in (find_gemm_sites, find_blocks, assign_precision, mark_fp4_linear):
+        for p in MARKING:
             p(marked, ctx)
         fp4compile.manual_seed(5)
         joint = []

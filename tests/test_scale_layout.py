@@ -138,9 +138,9 @@ def _simulated_blackwell(monkeypatch):
     """2-D FP4 GEMMs get CUTLASS kernels (on the CPU), run by the simulated kernel of test_cutlass_runtime."""
     from test_cutlass_runtime import simulated_kernel
 
-    def choose(m, n, k, fmt, out_dtype, device, allow_emulation=True, batched=False):
+    def choose(m, n, k, fmt, out_dtype, device, allow_emulation=True, batched=False, scale_rule="6"):
         config, why = cutlass_gemm.select_config(m, n, k, out_dtype)
-        if fmt != "nvfp4" or config is None or batched:
+        if fmt != "nvfp4" or config is None or batched or scale_rule != "6":  # CUTLASS: the 6 rule
             return types.SimpleNamespace(name="emulation", reason=why)
         return types.SimpleNamespace(name=cutlass_runtime.kernel_name(config, allow_emulation), reason=why)
 
