@@ -70,6 +70,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     g.add_argument("--no-rht", action="store_true", help="no random Hadamard transform on wgrad inputs")
     g.add_argument("--no-sr", action="store_true", help="round gradients to nearest instead of stochastically")
     g.add_argument("--no-2d", action="store_true", help="1x16 weight scaling instead of 16x16 blocks")
+    g.add_argument("--block-scale-rule", choices=("6", "4/6"), default="6",
+                   help="NVFP4 block scale rule: 6 (the recipe's) or 4/6 (Four Over Six, docs/numerics.md)")
+    g.add_argument("--stats-every", type=int, default=0, metavar="K",
+                   help="record quantization statistics (backend.collect_stats) every K steps into the run log's "
+                        "'quant_stats'; 0: never")
+    g.add_argument("--stats-steps", type=int, default=1, metavar="N", help="steps recorded each time (--stats-every)")
     g.add_argument("--all-fp4", action="store_true",
                    help="no high-precision first/last transformer blocks (lm_head/embeddings stay high precision)")
     g.add_argument("--bf16-switch-at", type=int, default=None, metavar="STEP",
@@ -247,6 +253,8 @@ def make_recipe(args: argparse.Namespace):
         weight_2d=not args.no_2d,
         seed=args.seed,
     )
+    if args.block_scale_rule != "6":
+        kwargs["block_scale_rule"] = args.block_scale_rule
     if args.all_fp4:
         kwargs.update(high_precision_first_blocks=0, high_precision_last_blocks=0)
     if args.bf16_switch_at is not None:
@@ -461,6 +469,7 @@ def _train(argv: Optional[Sequence[str]], cleanup: contextlib.ExitStack) -> dict
                 "threads": torch.get_num_threads(),
                 "emulated_gemm": _emulated_gemm(device)},
         "precision_table": None,
+        "quant_stats": [],  # --stats-every: rows of backend.report.stats(reduce=None), with the training step
         # Optimizer steps completed when every GEMM went back to high precision (--bf16-switch-at).
         "high_precision_from_step": None,
         "train": {"step": [], "loss": [], "lr": [], "tokens_per_s": [], "elapsed_s": []},
@@ -532,6 +541,7 @@ def _train(argv: Optional[Sequence[str]], cleanup: contextlib.ExitStack) -> dict
     # With a checkpoint to write, SIGTERM (a scheduler's or run_study's stop) ends the run like the time
     # limit: after the step in progress, with its checkpoint.
     signalled = _catch_sigterm(args.checkpoint is not None, cleanup)
+    stats_from = None  # the first step of the current statistics window (--stats-every)
     for step in range(start_step, args.steps):
         if signalled:
             stopped = True
@@ -549,6 +559,9 @@ def _train(argv: Optional[Sequence[str]], cleanup: contextlib.ExitStack) -> dict
         step_start = time.perf_counter()
         if args.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # this step's replays may overwrite the last one's outputs
+        if backend is not None and args.stats_every and step % args.stats_every == 0:
+            stats_from = step
+            backend.collect_stats(args.stats_steps)  # the next --stats-steps steps record their statistics
         lr = lr_at(step, peak_lr, warmup, args.steps, args.min_lr_ratio)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -565,6 +578,8 @@ def _train(argv: Optional[Sequence[str]], cleanup: contextlib.ExitStack) -> dict
         optimizer.zero_grad(set_to_none=True)
         if backend is not None:
             backend.step()
+            if stats_from is not None and step + 1 - stats_from == args.stats_steps:  # read once the window is full
+                record["quant_stats"] += [{**r, "step": stats_from + r["step"]} for r in backend.report.stats(None)]
             if backend.high_precision and record["high_precision_from_step"] is None:
                 record["high_precision_from_step"] = step + 1
                 progress.message(f"step {step + 1}: every GEMM runs in high precision from the next step on")

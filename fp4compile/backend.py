@@ -43,6 +43,7 @@ import torch.fx as fx
 
 from fp4compile import config, grad_buffers, hf_experts, runtime
 from fp4compile.diagnostics import PlanWarning
+from fp4compile.quant_stats import QuantStats
 from fp4compile.ranges import ActivationRanges
 from fp4compile.passes import pipeline
 from fp4compile.model_structure import ModelStructure, find_root
@@ -154,6 +155,10 @@ class Backend:
         self._called: set = set()  # graphs called with gradients enabled (``_check_coverage`` after one pass)
         self.report = Report(self.recipe)
         self.ranges = ActivationRanges()
+        # Quantization statistics (``collect_stats``): the passes left to record, whether the current pass
+        # records, and which ``collect_stats`` call the recording graphs were compiled for.
+        self.quant_stats: Optional[QuantStats] = None
+        self._stats_left, self._collecting, self._stats_generation = 0, False, 0
         self._step = 0
         self._forced_high_precision = False
         self._graph_ids = itertools.count()  # graph numbers in this backend's report: 0, 1, ...
@@ -195,6 +200,26 @@ class Backend:
         """Run all GEMMs in high precision from the next call on (each graph recompiles once)."""
         self._forced_high_precision = True
 
+    def collect_stats(self, steps: int) -> QuantStats:
+        """Record quantization statistics (``fp4compile.quant_stats``) in the next ``steps`` training passes
+        over the model (each forward with gradients enabled that begins a pass, and its backward: a step,
+        or a micro-batch under gradient accumulation): for every FP4 linear, role and operand, the
+        fraction of nonzero inputs quantized to zero, of blocks whose E4M3 scale saturates or underflows,
+        the relative error and the amax, computed in the graphs on the device. ``report.stats()`` reads
+        them. Each graph is compiled once more for the recording and, after the last recorded pass, once
+        more without it: the graphs that run when recording is off hold no statistics node. A new call
+        starts a new recording (new buffers)."""
+        self.quant_stats = QuantStats(steps)
+        self.report.quant_stats = self.quant_stats
+        self._stats_left = steps
+        self._stats_generation += 1
+        return self.quant_stats
+
+    @property
+    def collecting_stats(self) -> bool:
+        """Whether the current training pass records quantization statistics (``collect_stats``)."""
+        return self._collecting and not self.high_precision
+
     def state_dict(self) -> dict:
         """What a checkpoint needs to resume identically: the step, the SR stream and the recorded
         activation ranges (for export, ``ActivationRanges.state_lists``). Numbers, strings and lists only,
@@ -234,6 +259,8 @@ class Backend:
         over = self._passes_ended == self._passes or self._pass_resets != runtime.resets()
         begins = not self._round or graph in self._round or over
         if begins:
+            self._collecting = self._stats_left > 0
+            self._stats_left -= self._collecting
             runtime.advance(device or torch.device("cpu"), counted=self.recipe.seed is not None)
             self._round = set()
             self._passes += 1
@@ -314,6 +341,7 @@ class Backend:
                      "total_blocks"):
             setattr(self, name, getattr(wanted, name))
         self.report = Report(self.recipe)
+        self.report.quant_stats = self.quant_stats
 
     # -- compilation ---------------------------------------------------------------------------
 
@@ -366,7 +394,7 @@ class Backend:
 
     def _compile(
         self, gm: fx.GraphModule, example_inputs, graph_id: int, high_precision: bool = False, model=None,
-        parameter_names=None,
+        parameter_names=None, quant_stats: Optional[QuantStats] = None,
     ):
         config = self._inductor_config(graph_id) if self.inner == "inductor" else {}
         recipe = self._effective_recipe(config)
@@ -376,6 +404,7 @@ class Backend:
         ctx.total_blocks = self.total_blocks
         if recipe.amax_history and torch.is_grad_enabled():  # training graphs record activation ranges
             ctx.ranges = self.ranges
+        ctx.quant_stats = quant_stats
         if high_precision:
             user_passes = [_all_high_precision]
         else:
@@ -589,8 +618,11 @@ class _SwitchableGraph:
     Each pass over the model's graphs with gradients enabled advances the stochastic-rounding stream
     (``Backend._advance_for``), so every step's backward draws fresh bits and a rerun from the same state
     draws the same ones. Compilations are
-    cached by (model scope, high precision): the switch to high precision recompiles each graph once,
-    and a frame compiled inside the model compiles once per block instance that runs it.
+    cached by (model scope, high precision, statistics): the switch to high precision recompiles each
+    graph once, and a frame compiled inside the model compiles once per block instance that runs it.
+    While the backend collects quantization statistics (``Backend.collect_stats``) a training pass runs
+    the graphs compiled to record them (keyed by the ``collect_stats`` call); once it is over, the graphs
+    compiled without them (their recording versions are dropped), so statistics cost nothing when off.
     """
 
     def __init__(self, backend: Backend, original: fx.GraphModule, example_inputs, scope: Optional["_ModelScope"]):
@@ -615,10 +647,16 @@ class _SwitchableGraph:
         # mark the passes over the model (a frame of the model's loop runs once per block).
         self.rounds: dict[str, Optional[bool]] = {}
         prefix = scope.prefix if scope is not None else ""
-        self._compiled(prefix, False, example_inputs)
+        # Compiled as the first call will most likely run it: recording statistics where they are asked for.
+        recording = torch.is_grad_enabled() and (backend._collecting or backend._stats_left > 0)
+        self._compiled(prefix, False, example_inputs, recording and not backend.high_precision)
 
-    def _compiled(self, prefix: str, high_precision: bool, args):
-        key = (prefix, high_precision)
+    def _compiled(self, prefix: str, high_precision: bool, args, recording: bool = False):
+        stats = self.backend._stats_generation if recording else None
+        key = (prefix, high_precision, stats)
+        if stats is None:
+            for old in [k for k in self.compiled if k[0] == prefix and k[2] is not None]:
+                del self.compiled[old]  # the recording versions, once recording is over
         if key not in self.compiled:
             if prefix not in self.graph_ids:
                 self.graph_ids[prefix] = next(self.backend._graph_ids)
@@ -630,9 +668,13 @@ class _SwitchableGraph:
                 model, names = self.scope.structure, self.scope.parameter_names(args)
             if high_precision:
                 log.info("fp4compile: graph %d: recompiling in high precision", graph_id)
+            elif recording or any(k[0] == prefix for k in self.compiled):
+                log.info("fp4compile: graph %d: compiling %s quantization statistics", graph_id,
+                         "to record" if recording else "without")
             with torch._guards.tracing(self.tracing_context):
                 self.compiled[key] = self.backend._compile(
-                    gm, self.example_inputs, graph_id, high_precision, model, names
+                    gm, self.example_inputs, graph_id, high_precision, model, names,
+                    self.backend.quant_stats if recording else None,
                 )
             sites = self.backend.report.contexts[-1].sites
             self.rounds[prefix] = any(s.is_low_precision for s in sites) if sites else None
@@ -644,7 +686,8 @@ class _SwitchableGraph:
         if torch.is_grad_enabled() and not self.on_meta:
             begins = self.backend._advance_for((id(self), prefix), self.rounds.get(prefix, True), self.device)
         runtime.set_backend_step(self.backend._step)
-        outputs = self._compiled(prefix, self.backend.high_precision, args)(*args)
+        recording = torch.is_grad_enabled() and not self.on_meta and self.backend.collecting_stats
+        outputs = self._compiled(prefix, self.backend.high_precision, args, recording)(*args)
         if begins:
             self.backend._end_pass_after_backward(outputs)
         return outputs

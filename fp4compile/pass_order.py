@@ -14,7 +14,7 @@ from typing import Sequence
 DYNAMO = ("find_gemm_sites", "find_blocks", "assign_precision", "keep_routers_high", "check_plan", "mark_fp4_linear")
 USER_PASSES_AFTER = "keep_routers_high"
 JOINT = ("plan_sharing",)
-AOT = ("plan_gemm_roles", "insert_rht", "insert_quantize", "fuse_rht_quantize", "lower_gemms",
+AOT = ("plan_gemm_roles", "insert_rht", "insert_quantize", "record_stats", "fuse_rht_quantize", "lower_gemms",
        "fuse_amax", "record_ranges", "lower_kernels")
 
 precision_pass_names: set[str] = set()

@@ -93,6 +93,8 @@ class Report:
         # FSDP2 all-gathers of FP4 weights, where ``fp4compile.enable_fp4_all_gather`` was called with this
         # backend: which weights gather in FP4 and the bytes per step (``fp4compile.fsdp.GatherStats``).
         self.all_gather = None
+        # The quantization statistics the backend collects (``Backend.collect_stats``): ``stats()``.
+        self.quant_stats = None
 
     def add_context(self, ctx: CompileContext) -> None:
         self.contexts.append(ctx)
@@ -101,7 +103,7 @@ class Report:
         # Compilations hold graphs, fake tensors and caches that can be neither pickled nor copied: a
         # copy or an unpickled report keeps the recipe and no compilations (keep ``summary()`` or
         # ``precision_table()`` as text to save what they showed).
-        return {"recipe": self.recipe, "contexts": []}
+        return {"recipe": self.recipe, "contexts": [], "quant_stats": None}
 
     @property
     def latest(self) -> list[CompileContext]:
@@ -244,6 +246,23 @@ class Report:
 
     def __str__(self) -> str:
         return self.precision_table()
+
+    # -- quantization statistics ---------------------------------------------------------------
+
+    def stats(self, reduce: Optional[str] = "mean") -> list[dict]:
+        """The quantization statistics of ``Backend.collect_stats`` (``fp4compile.quant_stats``): a list of
+        dicts, one per FP4 site, GEMM role and operand with values recorded (``site``, ``layer``, ``role``,
+        ``operand``, ``steps``, ``zero_fraction``, ``scale_saturated``, ``scale_underflow``,
+        ``relative_error``, ``amax``), averaged over the recorded steps (``amax``: their maximum); with
+        ``reduce="last"`` the latest step's; with ``reduce=None`` one row per recorded step (``step``).
+        Empty where nothing was collected. Reading copies the buffers to the host (a sync)."""
+        return self.quant_stats.rows(reduce) if self.quant_stats is not None else []
+
+    def stats_table(self, reduce: Optional[str] = "mean") -> str:
+        """``stats(reduce)`` as a text table, the largest relative error first."""
+        from fp4compile import quant_stats
+
+        return quant_stats.table(self.stats(reduce) if reduce is not None else self.stats("mean"))
 
     # -- graphs after each pass ----------------------------------------------------------------
 

@@ -300,6 +300,9 @@ class CompileContext:
         self.graphs: list[StageGraph] = []
         self.final_graphs: dict[str, torch.fx.Graph] = {}  # stage -> graph after the latest pass
         self.fallbacks: list[str] = []
+        # The backend's quantization statistics (``fp4compile.quant_stats``) where this graph records them
+        # (``Backend.collect_stats``); else None.
+        self.quant_stats = None
         self.other_gemms: list = []  # matrix products that are not GEMM sites (find_gemm_sites)
         # The sharded-amax declarations as the compilation started (``distributed.snapshot``): the backward
         # passes, which run at the first backward, see the ones the forward saw.

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from fp4compile import distributed, ops, ranges, runtime, scale_layout  # noqa: F401  (register the fp4 ops named here)
+from fp4compile import distributed, ops, quant_stats, ranges, runtime, scale_layout  # noqa: F401  (register the fp4 ops named here)
 from fp4compile.model_structure import without_wrappers
 
 # -- the fp4 ops as graph targets ------------------------------------------------------------------
@@ -36,6 +36,7 @@ FAKE_RHT_QUANTIZE = torch.ops.fp4.fake_rht_quantize.default
 FAKE_DUAL_QUANTIZE = torch.ops.fp4.fake_dual_quantize.default
 WGRAD_AMAX = torch.ops.fp4.wgrad_amax.default
 RECORD_AMAX = torch.ops.fp4.record_amax.default
+RECORD_STATS = torch.ops.fp4.record_stats.default
 SR_BASE = torch.ops.fp4.sr_base.default
 
 # -- torch-level GEMM targets (dynamo graphs) ------------------------------------------------------
@@ -66,6 +67,18 @@ HISTORY_INPUT = "fp4_amax_history_input"
 def gemm_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     """The role-tagged ``fp4.gemm`` nodes of an aot_autograd graph, in graph order."""
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is GEMM]
+
+
+def output_item(gm: fx.GraphModule, node: fx.Node, index: int) -> fx.Node:
+    """The ``getitem`` node of output ``index`` of the multi-output ``node`` (a quantizer), made right after
+    it, with its ``val``, where nothing reads that output yet."""
+    for item in node.users:
+        if item.op == "call_function" and item.target is operator.getitem and item.args[1] == index:
+            return item
+    with gm.graph.inserting_after(node):
+        item = gm.graph.call_function(operator.getitem, (node, index))
+    item.meta["val"] = node.meta["val"][index]
+    return item
 
 
 def regions(gm: fx.GraphModule):

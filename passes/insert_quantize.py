@@ -18,6 +18,9 @@ hands it to the quantizer of X in fprop and of RHT(X^T) in wgrad (NVFP4 1x16, RH
 sharded) as their ``amax`` argument, recorded in their metadata (``amax``); it is dropped otherwise.
 A fprop GEMM given ``x_history`` (``linear(..., amax_history=...)``) leaves it on the quantize node of X
 (metadata ``fp4_amax_history``) for ``record_ranges``, which records that quantizer's amax into it.
+A GEMM given ``stats`` (``linear(..., stats=...)``, ``Backend.collect_stats``) leaves it, with the
+operand's slot (``quant_stats.slot``), on each quantize node it inserts (metadata ``fp4_stats``), and on
+the shared weight's quantize for fprop, for ``record_stats``.
 With ``Recipe(block_scale_rule="4/6")`` every NVFP4 quantize and dequantize node takes
 ``scale_rule="4/6"`` (a keyword argument, which the later passes keep), and its metadata records it.
 """
@@ -32,6 +35,7 @@ import torch.fx as fx
 
 from fp4compile import distributed
 from fp4compile.contracts import broken, contract
+from fp4compile.quant_stats import slot as stats_slot
 from fp4compile.sites import CompileContext, bound_arguments, call_unpacked
 from fp4compile.vocabulary import (
     DEQUANTIZE, HISTORY_INPUT, OPERAND_TENSORS, QUANTIZE, QUANTIZE_SHARDED, TRANSPOSE_QUANTIZED, gemm_nodes,
@@ -106,6 +110,7 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         x_history = gemm["x_history"] if info.role == "fprop" else None
         if x_history is None and info.role == "fprop" and HISTORY_INPUT in node.meta:
             x_history = _graph_input(gm, node.meta[HISTORY_INPUT])  # in the forward; not in a recomputation
+        stats = gemm.get("stats") if info.precision == "nvfp4" else None
         operands = [gemm["a"], gemm["b"]]
         activation = site.kind == "activation_matmul"
         rule = scale_rule_kwargs(recipe, info.precision)
@@ -129,6 +134,8 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                     source, parts = (shared[0].args[0] if shared[0].target is operator.getitem else shared[0]), shared
                 operands[i] = _dequantize(gm, node, parts, info.precision, block, rule)
                 source.meta["fp4_quantize"] = dict(meta, amax_group=None, shared="fprop+dgrad")
+                if stats is not None and info.role == "fprop":
+                    source.meta["fp4_stats"] = (stats, stats_slot("fprop", 1))
                 inserted += 1
                 continue
             with gm.graph.inserting_before(node):
@@ -137,6 +144,8 @@ def insert_quantize(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
                 else:
                     q, parts = call_unpacked(gm.graph, QUANTIZE_SHARDED, (*args, group), 3, rule)
             q.meta["fp4_quantize"] = meta
+            if stats is not None:
+                q.meta["fp4_stats"] = (stats, stats_slot(info.role, i))
             if i == 0 and x_history is not None and info.precision == "nvfp4":
                 q.meta["fp4_amax_history"] = x_history
             operands[i] = _dequantize(gm, node, parts, info.precision, block, rule)

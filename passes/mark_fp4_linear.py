@@ -23,6 +23,9 @@ Where the backend records activation ranges (``ctx.ranges``: a graph compiled wi
 ``Recipe.amax_history`` > 0), an NVFP4 linear also gets its site's amax history (``fp4compile.ranges``)
 as ``amax_history``: a buffer of the graph module (``fp4_amax_history_<site index>``) that aot_autograd
 lifts to a graph input, passed on into a region's graph as an extra operand of the region's call.
+Where the backend collects quantization statistics (``ctx.quant_stats``: ``Backend.collect_stats``), an
+NVFP4 linear gets its site's statistics buffer (``fp4compile.quant_stats``) as ``stats`` the same way
+(``fp4_stats_<site index>``).
 """
 
 from __future__ import annotations
@@ -47,10 +50,12 @@ GROUPED_SCALE_RULE = ("block_scale_rule={rule!r}: grouped expert GEMMs have the 
 
 
 class _Histories:
-    """The node holding a site's amax history in a graph of ``gm`` (its own, or a region's)."""
+    """The node holding a site's amax history in a graph of ``gm`` (its own, or a region's); with
+    ``prefix="fp4_stats"``, its quantization statistics buffer (``ctx.quant_stats``) instead."""
 
-    def __init__(self, gm: fx.GraphModule, ctx: CompileContext):
-        self.gm, self.ctx = gm, ctx
+    def __init__(self, gm: fx.GraphModule, ctx: CompileContext, prefix: str = "fp4_amax_history"):
+        self.gm, self.ctx, self.prefix = gm, ctx, prefix
+        self.owner = ctx.ranges if prefix == "fp4_amax_history" else ctx.quant_stats
         self.calls = {id(body): call for call, body in regions(gm)}  # region graph module -> its call
         self.modules = {id(body.graph): body for _, body in regions(gm)}
         self.nodes: dict[tuple, fx.Node] = {}
@@ -58,7 +63,7 @@ class _Histories:
     def __call__(self, module: fx.GraphModule, site, index: int, x: fx.Node) -> Optional[fx.Node]:
         ctx = self.ctx
         val = example_tensor(x)
-        if ctx.ranges is None or site.precision != "nvfp4" or site.kind == "activation_matmul" or val is None:
+        if self.owner is None or site.precision != "nvfp4" or site.kind == "activation_matmul" or val is None:
             return None
         return self._node(module, index, val.device)
 
@@ -69,9 +74,12 @@ class _Histories:
         graph = module.graph
         last = list(graph.find_nodes(op="placeholder"))[-1:]
         if module is self.gm:
-            name = f"fp4_amax_history_{index}"
+            name = f"{self.prefix}_{index}"
             site = self.ctx.sites[index]
-            module.register_buffer(name, self.ctx.ranges.history(site.name, device, self.ctx.recipe.amax_history))
+            if self.owner is self.ctx.ranges:
+                module.register_buffer(name, self.owner.history(site.name, device, self.ctx.recipe.amax_history))
+            else:
+                module.register_buffer(name, self.owner.buffer(site.name, device))
             if hasattr(module, "_param_name_to_source"):  # aot_autograd asks each lifted buffer's source
                 from torch._dynamo.source import ConstantSource
 
@@ -82,7 +90,7 @@ class _Histories:
             call = self.calls[id(module)]
             outer = self._node(self.modules[id(call.graph)] if id(call.graph) in self.modules else self.gm, index, device)
             with graph.inserting_after(last[0]) if last else graph.inserting_before(next(iter(graph.nodes))):
-                node = graph.placeholder(f"fp4_amax_history_{index}")
+                node = graph.placeholder(f"{self.prefix}_{index}")
             call.args = (*call.args, outer)
         self.nodes[key] = node
         return node
@@ -100,15 +108,15 @@ def _ensures_marked(gm: fx.GraphModule, ctx: CompileContext) -> None:
 @contract(after=("check_plan",), stages=("dynamo",), ensures=_ensures_marked)
 def mark_fp4_linear(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     marked = 0
-    histories = _Histories(gm, ctx)
+    histories, stats = _Histories(gm, ctx), _Histories(gm, ctx, "fp4_stats")
     for _, region in regions(gm):  # checkpointed functions: rewritten in place, recomputed as marked
-        marked += _mark(region, ctx, histories)
-    marked += _mark(gm, ctx, histories)
+        marked += _mark(region, ctx, histories, stats)
+    marked += _mark(gm, ctx, histories, stats)
     ctx.note(f"graph {ctx.graph_id}: marked {marked} linears as fp4.linear")
     return gm
 
 
-def _mark(gm: fx.GraphModule, ctx: CompileContext, histories: _Histories) -> int:
+def _mark(gm: fx.GraphModule, ctx: CompileContext, histories: _Histories, stats: _Histories) -> int:
     bs = ctx.recipe.block_size
     marked = 0
     for node in list(gm.graph.nodes):
@@ -155,8 +163,9 @@ def _mark(gm: fx.GraphModule, ctx: CompileContext, histories: _Histories) -> int
                     bias, x, param = node.args[:3] if site.kind == "addmm" else (None, *node.args[:2])
                     weight = gm.graph.call_function(torch.t, (param,))
                 args = (x, weight, bias, index)
-                history = histories(gm, site, index, x)
-                new = gm.graph.call_function(ops.linear, args + ((history,) if history is not None else ()))
+                history, buffer = histories(gm, site, index, x), stats(gm, site, index, x)
+                new = gm.graph.call_function(ops.linear, args + ((history,) if history is not None else ()),
+                                             {"stats": buffer} if buffer is not None else {})
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)

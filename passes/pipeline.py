@@ -41,12 +41,13 @@ from .mark_fp4_linear import mark_fp4_linear
 from .plan_gemm_roles import plan_gemm_roles
 from .plan_sharing import plan_sharing
 from .record_ranges import record_ranges
+from .record_stats import record_stats
 
 Pass = Callable[[fx.GraphModule, CompileContext], fx.GraphModule]
 
 _BY_NAME = {p.__name__: p for p in (
     find_gemm_sites, find_blocks, assign_precision, keep_routers_high, check_plan, mark_fp4_linear, plan_sharing,
-    plan_gemm_roles, insert_rht, insert_quantize, fuse_rht_quantize, lower_gemms, fuse_amax,
+    plan_gemm_roles, insert_rht, insert_quantize, record_stats, fuse_rht_quantize, lower_gemms, fuse_amax,
     record_ranges, lower_kernels,
 )}
 # The order is declared once, by name, in ``fp4compile.pass_order``.

@@ -13,25 +13,16 @@ training forward. The metadata is removed either way.
 
 from __future__ import annotations
 
-import operator
-
 import torch.fx as fx
 
 from fp4compile.contracts import broken, contract
 from fp4compile.sites import CompileContext
-from fp4compile.vocabulary import RECORD_AMAX
+from fp4compile.vocabulary import RECORD_AMAX, output_item
 
 
 def _amax_output(gm: fx.GraphModule, q: fx.Node) -> fx.Node:
     """The getitem node of ``q``'s amax, its last output (made where nothing reads it yet)."""
-    last = len(q.meta["val"]) - 1
-    for item in q.users:
-        if item.op == "call_function" and item.target is operator.getitem and item.args[1] == last:
-            return item
-    with gm.graph.inserting_after(q):
-        item = gm.graph.call_function(operator.getitem, (q, last))
-    item.meta["val"] = q.meta["val"][last]
-    return item
+    return output_item(gm, q, len(q.meta["val"]) - 1)
 
 
 def _ensures_recorded(gm: fx.GraphModule, ctx: CompileContext) -> None:

@@ -194,8 +194,8 @@ def test_stochastic_rounding_only_on_gradient_operands(explained):
 
 def test_graph_after_each_pass_and_diff(explained):
     report = explained.report
-    assert report.pass_names("backward") == ["input", "plan_gemm_roles", "insert_rht", "insert_quantize", "fuse_rht_quantize",
-                                             "lower_gemms", "fuse_amax", "record_ranges", "lower_kernels"]
+    assert report.pass_names("backward") == ["input", "plan_gemm_roles", "insert_rht", "insert_quantize", "record_stats",
+                                             "fuse_rht_quantize", "lower_gemms", "fuse_amax", "record_ranges", "lower_kernels"]
     assert "fp4.rht" not in report.graph("backward", "plan_gemm_roles")
     assert report.graph("backward", "insert_rht").count("torch.ops.fp4.rht.default(") == 8
     diff = report.diff("backward", "insert_rht")
