@@ -52,9 +52,9 @@ from fp4compile.passes.find_blocks import block_paths, model_positions
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.report import Report
 from fp4compile.sites import CompileContext, clone_dynamo_module
+from fp4compile.vocabulary import SWITCHED, module_path, parameter_name, regions
 
 log = logging.getLogger("fp4compile")
-from fp4compile.vocabulary import SWITCHED, module_path, parameter_name, regions
 
 
 INNER_COMPILERS = ("inductor", "eager")

@@ -36,8 +36,8 @@ import torch
 import torch.fx as fx
 
 from fp4compile import ops
-from fp4compile.recipe import HIGH
 from fp4compile.contracts import broken, contract
+from fp4compile.recipe import HIGH
 from fp4compile.sites import CompileContext, example_tensor
 from fp4compile.vocabulary import TORCH_GEMM_TARGETS, regions
 
