@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fp4compile.contracts import broken, contract
-from fp4compile.sites import CompileContext
+from fp4compile.sites import CompileContext, bound_arguments
 from fp4compile.vocabulary import RECORD_STATS, output_item
 
 
@@ -28,7 +28,7 @@ def _ensures_recorded(gm: fx.GraphModule, ctx: CompileContext) -> None:
         broken("a quantize node still carries its statistics buffer in meta['fp4_stats']")
     if ctx.stage != "forward":
         for node in gm.graph.find_nodes(op="call_function", target=RECORD_STATS):
-            if node.args[1] in (0, 1):
+            if bound_arguments(node)["slot"] in (0, 1):
                 broken(f"the {ctx.stage} graph records fprop statistics ({node.name}): one record per training forward")
 
 
@@ -44,10 +44,10 @@ def record_stats(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         parts = [output_item(gm, q, i) for i in range(3)]
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
-        block = q.meta["fp4_quantize"]["block"]
+        block, quantizer = q.meta["fp4_quantize"]["block"], bound_arguments(q)
         with gm.graph.inserting_after(max(parts, key=order.__getitem__)):
             node = gm.graph.call_function(
-                RECORD_STATS, (buffer, slot, q.args[0], *parts, block, q.kwargs.get("scale_rule", "6")))
+                RECORD_STATS, (buffer, slot, quantizer["x"], *parts, block, quantizer["scale_rule"]))
         node.meta["val"] = None
         recorded += 1
     if recorded:
