@@ -157,8 +157,18 @@ def _main_job() -> str:
     return out.stdout
 
 
+@functools.cache
+def _hybrid_mamba() -> str:
+    """``python examples/hybrid_mamba.py`` as it prints (minutes on a CPU)."""
+    out = subprocess.run([sys.executable, "examples/hybrid_mamba.py"], capture_output=True, text=True,
+                         timeout=3600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out.stdout
+
+
 PRODUCERS = {
     "pipeline": _pipeline,
+    "hybrid-mamba": _hybrid_mamba,
     "inspect-gpt-table": _inspect_gpt_table,
     "inspect-gpt-diff": _inspect_gpt_diff,
     "main-job": _main_job,
