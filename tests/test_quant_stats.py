@@ -290,7 +290,19 @@ def test_statistics_under_inductor_equal_the_eager_backend():
         backend.collect_stats(1)
         _train_step(_tiny(), backend, IDX)
         got.append(backend.report.stats())
-    assert got[0] == got[1] and len(got[0]) == 40
+    # The operands themselves differ in their last bits: Inductor fuses and rounds the high-precision ops
+    # that produce them (the norms, the activations, their gradients) otherwise than eager PyTorch, which
+    # moves the error and the amax by about 1e-7 and can flip a block or two of a small tensor (a scale at
+    # the edge of saturating or underflowing). The statistics of one quantization are exact either way
+    # (test_recorded_statistics_equal_the_reference_bit_for_bit).
+    assert len(got[0]) == len(got[1]) == 40
+    for eager, inductor in zip(*got):
+        assert {k: v for k, v in eager.items() if isinstance(v, str)} == {
+            k: v for k, v in inductor.items() if isinstance(v, str)}
+        for key in ("relative_error", "amax"):
+            assert inductor[key] == pytest.approx(eager[key], rel=1e-5), (eager["site"], eager["role"], key)
+        for key in ("zero_fraction", "scale_saturated", "scale_underflow"):
+            assert inductor[key] == pytest.approx(eager[key], abs=1e-2), (eager["site"], eager["role"], key)
 
 
 def test_plot_writes_a_png_of_the_error_per_layer_and_role(tmp_path):
