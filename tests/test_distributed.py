@@ -7,7 +7,6 @@ process. SR is off, so the only differences allowed are those of the fp32 reduct
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fp4compile import Backend, distributed, formats
+import gloo
 from models import MLPStack
 
 WORLD = 2
@@ -160,10 +160,7 @@ def _tensor_parallel_mlp(rank: int) -> dict:
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    gloo.init(rank, WORLD, port)
     try:
         results = {
             "ddp": _data_parallel(rank, "ddp", global_amax=False),
@@ -178,18 +175,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     out_dir = tmp_path_factory.mktemp("distributed")
-    mp.spawn(_worker, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(gloo.free_port(), str(out_dir)), nprocs=WORLD, join=True)
     return [torch.load(out_dir / f"rank{r}.pt") for r in range(WORLD)]
 
 

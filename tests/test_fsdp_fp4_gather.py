@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import torch.nn as nn
 
 from fp4compile import Backend, fsdp
 from fp4compile.fsdp import FP4GatheredWeight, FP4ShardedWeight, enable_fp4_all_gather
+import gloo
 from models import MLPStack
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -287,10 +287,7 @@ def _strip(result: dict) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    gloo.init(rank, world, port)
     try:
         results = {}
         layouts = LAYOUTS if world > 1 else {"whole": LAYOUTS["whole"]}
@@ -305,16 +302,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, out_dir) -> list:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    mp.spawn(_worker, args=(world, _free_port(), str(out_dir)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, gloo.free_port(), str(out_dir)), nprocs=world, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

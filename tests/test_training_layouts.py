@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import warnings
 
 import pytest
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import fp4compile
+import gloo
 from fp4compile import Backend, PlanWarning
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -329,10 +329,7 @@ def _titan_run(rank: int, world: int) -> dict:
 
 
 def _titan_worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    gloo.init(rank, WORLD, port)
     try:
         torch.save(_titan_run(rank, WORLD), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -343,10 +340,7 @@ def _titan_worker(rank: int, port: int, out_dir: str) -> None:
 def test_torchtitan_parallelize_order_on_two_processes_equals_one_process(tmp_path):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_titan_worker, args=(port, str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_titan_worker, args=(gloo.free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     one = _titan_run(0, 1)
     assert one["plan"] == recipe_plan(LAYERS, range(LAYERS)) and one["warnings"] == []
