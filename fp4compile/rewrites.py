@@ -37,7 +37,7 @@ class Rewrite:
     meta: Callable[[dict, dict], dict] = lambda meta, inner: meta
 
 
-def call_form(target, values: dict) -> tuple[tuple, dict]:
+def call_form(target, values: dict) -> tuple:
     """``values`` (every argument of op ``target`` by name) as a call's positional arguments: in the
     schema's order, trailing ones equal to their defaults left out."""
     schema = target._schema.arguments
@@ -51,7 +51,7 @@ def call_form(target, values: dict) -> tuple[tuple, dict]:
         if isinstance(last, fx.Node) or not a.has_default_value() or last != a.default_value:
             break
         ordered.pop()
-    return tuple(ordered), {}
+    return tuple(ordered)
 
 
 def apply(gm: fx.GraphModule, rewrite: Rewrite) -> int:
@@ -64,9 +64,9 @@ def apply(gm: fx.GraphModule, rewrite: Rewrite) -> int:
                 and len(inner.users) == 1):
             continue
         inner_args = bound_arguments(inner)
-        args, kwargs = call_form(rewrite.replacement, rewrite.arguments(outer, inner_args))
+        args = call_form(rewrite.replacement, rewrite.arguments(outer, inner_args))
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(rewrite.replacement, args, kwargs)
+            new = gm.graph.call_function(rewrite.replacement, args)
         new.meta.update(rewrite.meta(dict(node.meta), inner_args))
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
