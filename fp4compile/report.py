@@ -8,7 +8,9 @@ A ``Report`` answers, for the latest compilation of every graph dynamo captured:
 - ``fx_graph(stage)`` / ``to_mlir(stage)``: the final rewritten forward/backward graph, as FX or as MLIR
   (torch dialect, through torch-mlir's FX importer);
 - ``dataflow(stage)`` / ``to_dot(stage)`` / ``save_image(path, stage)``: the data flow of a final graph
-  with quantize, RHT, FP4-GEMM and high-precision-GEMM nodes coloured.
+  with quantize, RHT, FP4-GEMM and high-precision-GEMM nodes coloured;
+- ``traffic()`` / ``traffic_table()``: per FP4 site and role, the kernel launches and bytes of a step on
+  CUDA, modelled from the final graphs (``fp4compile.traffic``).
 
 Stages are "dynamo" (the torch-level graph), "joint" (aot_autograd's joint forward-backward graph,
 before its partition: what the forward and the backward share is planned there), "forward" and
@@ -26,7 +28,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from fp4compile import ops
+from fp4compile import ops, traffic
 from fp4compile.vocabulary import LINEAR_TARGETS, MATMUL_TARGETS, module_path
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.sites import ROLES, CompileContext, GemmSite, StageGraph, copy_graph, symbols
@@ -197,6 +199,18 @@ class Report:
                 key = (op, implementation, reason)
                 out[key] = out.get(key, 0) + 1
         return out
+
+    def traffic(self) -> list:
+        """Per FP4 site and GEMM role, the kernel launches and bytes of one training step as modelled from the
+        final forward and backward graphs (``fp4compile.traffic``): a list of ``TrafficRow`` (``site``,
+        ``role``, ``launches`` and ``bytes_read`` / ``bytes_written`` of the non-GEMM kernels,
+        ``gemm_launches``), then a "(graph)" row for the nodes no site owns. Each graph's forward and
+        backward count once."""
+        return traffic.rows(self.latest)
+
+    def traffic_table(self) -> str:
+        """``traffic()`` as a text table with a total row, then the nodes whose implementation is not modelled."""
+        return traffic.table(self.latest)
 
     def precision_table(self) -> str:
         """One row per GEMM site, then fallbacks, kernels and the FP4 / high-precision totals (last line)."""

@@ -299,6 +299,9 @@ class CompileContext:
         self.total_blocks: Optional[int] = None  # the whole model's number of blocks, where stated
         self.graphs: list[StageGraph] = []
         self.final_graphs: dict[str, torch.fx.Graph] = {}  # stage -> graph after the latest pass
+        # stage -> the graph before ``lower_kernels`` put the fp4 ops' kernels into it, where it did: the
+        # fp4 op nodes that run (``fp4compile.traffic``).
+        self.op_graphs: dict[str, torch.fx.Graph] = {}
         self.fallbacks: list[str] = []
         # The backend's quantization statistics (``fp4compile.quant_stats``) where this graph records them
         # (``Backend.collect_stats``); else None.
