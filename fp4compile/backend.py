@@ -576,8 +576,13 @@ def _compile_inductor(gm, example_inputs, aot_passes, joint_passes, config_patch
 
     The passes run on every compile; Inductor's FX graph cache, keyed on the graphs they produce and on
     fp4compile's code version (``_version_pass``), serves the compiled code of a graph it has seen (a
-    restarted job). AOTAutograd's own cache, which would skip the passes, does not take graphs that call
-    ``fp4_linear``."""
+    restarted job). AOTAutograd's own cache would skip the passes: it keys its entries on the dynamo
+    graph, which holds neither the recipe nor what the passes make of each block instance (SR seeds,
+    site names), so it is off for a graph that calls fp4compile anywhere (``_quantizes``). PyTorch
+    bypasses it by itself only where such a call is at the graph's top level, not inside a region,
+    where it would serve one checkpoint-wrapped block's compiled graphs to another block compiled from
+    the same frame, and the graphs compiled under one recipe to a run with another."""
+    import torch._functorch.config as functorch_config
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
@@ -589,7 +594,24 @@ def _compile_inductor(gm, example_inputs, aot_passes, joint_passes, config_patch
     user_joint = config_patches.get("joint_custom_pre_pass", inductor_config.joint_custom_pre_pass)
     patches = {**config_patches, "post_grad_custom_pre_pass": _version_pass(user),
                "joint_custom_pre_pass": _version_pass(user_joint, lambda graph: joint_passes(graph.owning_module))}
-    return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+    no_aot_cache = {name: False for name in ("enable_autograd_cache", "enable_remote_autograd_cache")
+                    if hasattr(functorch_config, name)} if _quantizes(gm) else {}
+    with functorch_config.patch(no_aot_cache):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+
+
+def _quantizes(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` or one of its regions calls what the marking passes put in a dynamo graph
+    (``fp4_linear``, ``fp4_matmul``, the grouped GEMMs) or an ``fp4`` op."""
+    for graph in (gm, *(body for _, body in regions(gm))):
+        for node in graph.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "fp4":
+                return True
+            if (getattr(node.target, "__module__", None) or "").partition(".")[0] == "fp4compile":
+                return True
+    return False
 
 
 def _compile_eager(gm, example_inputs, aot_passes, joint_passes):

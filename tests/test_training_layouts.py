@@ -280,7 +280,63 @@ def test_checkpoint_wrapper_then_per_block_compile_with_inductor():
     assert plan == ref_plan == recipe_plan(4, range(4))
     assert backend.report.warnings == []
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
-    assert grads.keys() == ref_grads.keys() and all(torch.isfinite(g).all() for g in grads.values())
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=0, msg=name)
+
+
+class Residual(nn.Module):
+    """A block of one linear layer, the least for Inductor to compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+class Stack(nn.Module):
+    def __init__(self, n_layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(Residual() for _ in range(n_layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_checkpointed_blocks_compiled_one_by_one_under_inductor_get_their_own_graphs_from_the_caches():
+    """The checkpoint-wrapped blocks compiled from one frame have the same dynamo graph, their FP4
+    linears inside the checkpoint's region. AOTAutograd's cache keys its entries on that graph (it
+    bypasses itself only for such calls at the top level), so it would serve both FP4 blocks one
+    block's compilation, with that block's SR seeds, and a run with another recipe the graphs compiled
+    under the first: the backend keeps it off for graphs that quantize. Whatever earlier runs left in
+    the caches, a run computes what it computes without AOTAutograd's cache, bit for bit, each FP4
+    block through its own passes."""
+    import torch._functorch.config as functorch_config
+
+    def run(recipe, aot_cache=True):
+        torch._dynamo.reset()
+        fp4compile.manual_seed(0)
+        torch.manual_seed(0)
+        model = Stack(4)
+        backend = Backend(model=model, recipe=recipe)
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+            model.layers[i].compile(backend=backend)
+        with functorch_config.patch(enable_autograd_cache=aot_cache and functorch_config.enable_autograd_cache):
+            model(torch.randn(16, D)).square().mean().backward()
+        fp4_graphs = {c.graph_id for c in backend.report.contexts if any(s.is_low_precision for s in c.sites)}
+        passed = {c.graph_id for c in backend.report.contexts for g in c.graphs if g.stage == "backward"}
+        return [p.grad for p in model.parameters()], fp4_graphs, passed
+
+    # The second run finds the first's graphs in the caches, if no earlier one left them there.
+    for recipe in (fp4compile.Recipe(), fp4compile.Recipe(stochastic_rounding=False)):
+        grads, fp4_graphs, passed = run(recipe)
+        for got, want in zip(grads, run(recipe, aot_cache=False)[0]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert len(fp4_graphs) == 2 and fp4_graphs <= passed
 
 
 # ---------------------------------------------------------------------------------------------
