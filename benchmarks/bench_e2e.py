@@ -7,7 +7,9 @@ machine's history). Measures: first step (compile + run), median step time, peak
 Before timing, checks that the GPU quantize matches the CPU reference bit for bit. A ``-cg`` variant
 compiles with ``mode="reduce-overhead"`` (the steps are recorded in CUDA graphs and replayed); a ``-dec``
 variant sets ``Recipe(decoded_operands=True)``, a ``-packed`` one ``decoded_operands=False`` (without
-either, the recipe's default: decoded with CUDA graphs, packed without).
+either, the recipe's default: decoded with CUDA graphs, packed without); a ``-fp4mm`` variant runs the
+emulated GEMMs on the FP4-operand Triton GEMM (``FP4COMPILE_EMULATED_GEMM=packed``: packed operands,
+decoded in the GEMM's registers).
 
 Generic settings. One thing the nvfp4 backend does while compiling is not FP4-specific: buffers for
 unused output gradients under CUDA graphs (``fp4compile.grad_buffers``). With ``--generic on`` (the
@@ -47,7 +49,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
-VARIANTS = ("bf16", "nvfp4", "naive", "bf16-cg", "nvfp4-cg", "nvfp4-dec", "nvfp4-dec-cg", "nvfp4-packed-cg")
+VARIANTS = ("bf16", "nvfp4", "naive", "bf16-cg", "nvfp4-cg", "nvfp4-dec", "nvfp4-dec-cg", "nvfp4-packed-cg",
+            "nvfp4-fp4mm", "nvfp4-fp4mm-cg")
 
 
 def naive_fake_quant(x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +140,11 @@ def training_setup(variant: str, d_model: int, n_layer: int, batch: int, inner: 
     graphs = variant.endswith("-cg")
     variant = variant.removesuffix("-cg")
     decoded = {"-dec": True, "-packed": False}.get(variant[variant.rfind("-"):]) if "-" in variant else None
-    variant = variant.removesuffix("-dec").removesuffix("-packed")
+    if variant.endswith("-fp4mm"):
+        from fp4compile import config
+
+        config.emulated_gemm = "packed"  # each variant runs in a process of its own
+    variant = variant.removesuffix("-dec").removesuffix("-packed").removesuffix("-fp4mm")
     mode = "reduce-overhead" if graphs else None
     if graphs and device != "cuda":
         raise ValueError(f"variant {variant}-cg records CUDA graphs; it needs device='cuda', got {device!r}")

@@ -24,7 +24,9 @@ print_ir_after: str = ""
 """Passes (a comma list, or "all") whose output graph is printed while compiling."""
 
 emulated_gemm: str = "auto"
-"""The GEMM the emulation runs on CUDA: "auto" (cuBLASLt where it can run), "cublaslt" (required), "torch"."""
+"""The GEMM the emulation runs on CUDA: "auto" (cuBLASLt where it can run, on operands decoded to BF16),
+"cublaslt" (required), "torch" (``torch.mm`` to fp32 and an epilogue kernel), "packed" (one Triton
+kernel that reads the packed operands and decodes them in registers: ``fp4.packed_mm``)."""
 
 in_graph_kernels: bool = True
 """Under Inductor on CUDA, the fp4 ops' Triton kernels go into Inductor's generated code (the
@@ -113,7 +115,7 @@ class Setting(NamedTuple):
 SETTINGS: dict[str, Setting] = {
     "check_finite": Setting("FP4COMPILE_CHECK_FINITE", _Flag()),
     "print_ir_after": Setting("FP4COMPILE_PRINT_IR_AFTER", _PassNames()),
-    "emulated_gemm": Setting("FP4COMPILE_EMULATED_GEMM", _Choice(("auto", "cublaslt", "torch"), "auto, cublaslt or torch")),
+    "emulated_gemm": Setting("FP4COMPILE_EMULATED_GEMM", _Choice(("auto", "cublaslt", "torch", "packed"), "auto, cublaslt, torch or packed")),
     "in_graph_kernels": Setting("FP4COMPILE_IN_GRAPH_KERNELS", _Flag()),
     "kernel_analysis_cache": Setting("FP4COMPILE_KERNEL_ANALYSIS_CACHE", _Flag()),
     "check_contracts": Setting("FP4COMPILE_CHECK_CONTRACTS", _Flag()),

@@ -19,7 +19,8 @@ tensor has too (device, dtype, shape) and the op's constant arguments.
 | ``transpose_quantized`` | data, scales, layout | ``triton``, ``reference`` |
 | ``decode_blocks`` | data, scales | ``triton``, ``reference`` |
 | ``emulated_mm`` | a, a_amax, b, b_amax, fmt, out_dtype, scale_rule | ``cublaslt`` (alpha in its epilogue), ``triton`` (torch.mm to fp32, then the epilogue kernel; in the graph), ``cuda-bf16`` (MXFP4), ``reference`` |
-| ``scaled_mm`` | a ``GemmSpec``, when the graph is compiled | ``cutlass`` (sm_100), ``emulation`` |
+| ``packed_mm`` | a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule, b_kn | ``triton`` (one kernel, operands decoded in registers; in the graph), ``reference`` |
+| ``scaled_mm`` | a ``GemmSpec``, when the graph is compiled | ``cutlass`` (sm_100), ``triton`` (``FP4COMPILE_EMULATED_GEMM=packed``: ``lower_gemms`` makes it an ``fp4.packed_mm`` node), ``emulation`` |
 
 ``triton`` takes CUDA tensors where ``codegen.triton_kernels`` can run (its checks and calls are in
 ``codegen/triton_kernels/dispatch.py``, imported on the first CUDA call); ``reference`` is
@@ -85,8 +86,12 @@ class Choice:
 
     @property
     def reason(self) -> str:
-        """Why: the implementations before it that declined, with their reasons, then its own reason."""
-        parts = [f"{name} declined: {why}" for name, why in self.declined]
+        """Why: the implementations before it that declined, with their reasons (those that gave one reason
+        named together), then its own reason."""
+        names: dict[str, list[str]] = {}  # reason -> the implementations that gave it, in order
+        for name, why in self.declined:
+            names.setdefault(why, []).append(name)
+        parts = [f"{', '.join(who)} declined: {why}" for why, who in names.items()]
         return "; ".join(parts + ([self.own_reason] if self.own_reason else []))
 
 
@@ -295,6 +300,8 @@ _define("decode_blocks", "data scales", _triton("decode_blocks"), _reference(ref
 _define("emulated_mm", "a a_amax b b_amax fmt out_dtype scale_rule", _triton("cublaslt_mm", in_graph=False, name="cublaslt"),
         _triton("emulated_mm"),
         Implementation("cuda-bf16", _check_cuda_bf16, _cuda_bf16), _reference(reference.decoded_product))
+_define("packed_mm", "a a_scales a_amax b b_scales b_amax fmt out_dtype scale_rule b_kn", _triton("packed_mm"),
+        _reference(reference.packed_product))
 
 
 # -- scaled_mm: chosen when the graph is compiled -------------------------------------------------
@@ -366,6 +373,27 @@ def _check_emulation(spec: GemmSpec) -> tuple[bool, str]:
     return True, ""
 
 
+def _check_packed(spec: GemmSpec) -> tuple[bool, str]:
+    """The FP4-operand Triton GEMM (``fp4.packed_mm``), where ``config.emulated_gemm`` asks for it."""
+    from fp4compile import config
+
+    if spec.device.type != "cuda":
+        return False, f"device {spec.device} is not a CUDA GPU"
+    if spec.fmt != "nvfp4" or spec.batched:
+        return False, "it takes 2-D NVFP4 operands" + (" (these are batched)" if spec.batched else f", not {spec.fmt}")
+    if not spec.allow_emulation and is_blackwell(spec.device):
+        return False, "on a Blackwell GPU FP4 GEMMs run on CUTLASS kernels only"
+    if config.emulated_gemm != "packed":
+        return False, (f"FP4COMPILE_EMULATED_GEMM={config.emulated_gemm}: emulated GEMMs read decoded operands "
+                       "(packed: one Triton kernel reads the packed operands)")
+    ok, why = _dispatch().check_packed_gemm(spec.device)
+    return ok, ("one Triton kernel reads the packed operands and decodes them in registers" if ok else why)
+
+
+def _packed(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule="6"):
+    return run("packed_mm", a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule, False)
+
+
 def _emulation(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule="6"):
     """Block-decode both operands (exact) and multiply with fp32 accumulation, then alpha. On CUDA the
     operands are decoded to BF16 (exact) for a tensor-core GEMM: the ``decode_blocks`` and ``emulated_mm``
@@ -382,6 +410,7 @@ def _emulation(kernel, a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype,
 
 _define("scaled_mm", "kernel a a_scales a_amax b b_scales b_amax fmt out_dtype scale_rule",
         Implementation("cutlass", _check_cutlass, _cutlass, kernel=_cutlass_kernel),
+        Implementation("triton", _check_packed, _packed),
         Implementation("emulation", _check_emulation, _emulation))
 
 

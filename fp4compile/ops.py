@@ -18,11 +18,12 @@ implementations.
 | ``fp4.fake_quantize(x, fmt, block, rounding, seed)`` / ``fp4.fake_rht_quantize(x, size, ...)`` | block-decoded operand (bf16) and amax |
 | ``fp4.fake_dual_quantize(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t)`` | the two decoded operands of a gradient (1x16, and RHT(x.T)) in one launch |
 | ``fp4.emulated_mm(a_bd, amax_a, b_bd, amax_b, fmt, out_dtype)`` | emulated FP4 GEMM on block-decoded operands |
+| ``fp4.packed_mm(a, sa, amax_a, b, sb, amax_b, fmt, out_dtype, scale_rule, b_kn)`` | emulated NVFP4 GEMM reading packed operands, decoded in registers (one Triton kernel on CUDA) |
 | ``fp4.record_amax(history, amax)`` | shifts an activation amax history and writes ``amax`` last, in place (``fp4compile.ranges``) |
 | ``fp4.record_stats(stats, slot, x, codes, scales, amax, block, scale_rule)`` | shifts a quantization statistics window and writes the statistics of x's quantization last, in place (``fp4compile.quant_stats``) |
 | ``fp4.sr_base(device, keys)`` | the step's stochastic-rounding base on the device mixed with each SR node constant of a graph (int64 [2 * len(keys)]), computed when the graph runs |
 
-The ops with Triton kernels (the quantizers, ``wgrad_amax``, ``transpose_quantized``, ``decode_blocks``)
+The ops with Triton kernels (the quantizers, ``wgrad_amax``, ``transpose_quantized``, ``decode_blocks``, the emulated GEMMs)
 are ``torch.library.triton_op``s: the ``lower_kernels`` pass replaces each call that a kernel takes by
 the kernels themselves, which Inductor then compiles, caches and launches like its own. Called eagerly
 (or where no kernel takes the call) the same function runs: the kernels on CUDA, else the reference.
@@ -450,6 +451,24 @@ def emulated_mm(
 @emulated_mm.register_fake
 def _(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6"):
     return a.new_empty((*a.shape[:-1], b.shape[-2]), dtype=out_dtype)
+
+
+@_kernel_op("fp4::packed_mm")
+def packed_mm(
+    a: torch.Tensor, a_scales: torch.Tensor, a_amax: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+    b_amax: torch.Tensor, fmt: str, out_dtype: torch.dtype, scale_rule: str = "6", b_kn: bool = False,
+) -> torch.Tensor:
+    """C = A @ B.T for packed NVFP4 operands A [M, K/2], B [N, K/2] (codes, E4M3 scales, global amax), or
+    with ``b_kn`` B given as W [K, N/2] of a 16x16-tile quantized W (B = W^T: dgrad's weight as stored):
+    ``fp4.scaled_mm``'s arithmetic (decode, fp32 accumulation, alpha, cast). On CUDA one Triton kernel
+    decodes the operands in registers inside its K loop (``triton_kernels.packed_scaled_mm``), which the
+    ``lower_kernels`` pass puts into the graph Inductor compiles; elsewhere the reference."""
+    return executors.run("packed_mm", a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule, b_kn)
+
+
+@packed_mm.register_fake
+def _(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule="6", b_kn=False):
+    return a.new_empty((a.shape[0], b.shape[1] * 2 if b_kn else b.shape[0]), dtype=out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

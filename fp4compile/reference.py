@@ -84,6 +84,15 @@ def decode_blocks(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return block_decode(data, scales, None, "nvfp4").to(torch.bfloat16)
 
 
+def packed_product(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype,
+                   scale_rule: str = "6", b_kn: bool = False) -> torch.Tensor:
+    """``fp4.packed_mm``: ``scaled_mm_reference``, B given as its rows [N, K/2] or, with ``b_kn``, as the
+    16x16-tile quantized W [K, N/2] whose transpose it is."""
+    if b_kn:
+        b, b_scales = transpose_quantized(b, b_scales)
+    return scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule)
+
+
 def decoded_product(a_bd, a_amax, b_bd, b_amax, fmt: str, out_dtype: torch.dtype, scale_rule: str = "6") -> torch.Tensor:
     """A_bd @ B_bd.T of block-decoded operands in fp32, times alpha (NVFP4, ``formats.gemm_alpha`` of the
     operands' block scale rule), cast."""

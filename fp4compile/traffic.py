@@ -23,10 +23,10 @@ the graph a CUDA compilation makes. A node whose (op, implementation) has no ent
 runs PyTorch ops, a sharded quantizer's all-reduce) is listed as not modelled.
 
 To add an implementation, add its entry: a function of the node's arguments by name (fake tensors for
-tensors) and its output's fake value, returning a ``Cost``; e.g. an FP4 GEMM that reads packed codes
-and scales itself, one launch and no other kernel::
+tensors) and its output's fake value, returning a ``Cost``; e.g. a ``scaled_mm`` implementation
+registered as "mine" that reads packed codes and scales itself, one launch and no other kernel::
 
-    COSTS["scaled_mm", "triton"] = gemm_only
+    COSTS["scaled_mm", "mine"] = gemm_only
 """
 
 from __future__ import annotations
@@ -208,6 +208,8 @@ COSTS: dict[tuple[str, str], Callable[[dict, object], Optional[Cost]]] = {
     ("emulated_mm", "cuda-bf16"): _bf16_gemm,
     ("scaled_mm", "emulation"): _emulation,
     ("scaled_mm", "cutlass"): gemm_only,
+    ("scaled_mm", "triton"): gemm_only,
+    ("packed_mm", "triton"): gemm_only,
     ("sr_base", "eager"): _sr_base,
     ("record_amax", "eager"): _record_amax,
 }

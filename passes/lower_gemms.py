@@ -28,6 +28,12 @@ device; the choice and its reason are stored in the site's ``RoleInfo`` (``kerne
   ``decoded=True``), the same codes and scales written as value(code) * block scale in BF16, so no
   decode pass runs. alpha stays inside ``fp4.emulated_mm`` (applied by the GEMM's epilogue or its
   epilogue kernel): as graph nodes fused by Inductor into the consumer the bits changed.
+- **FP4-operand GEMM** (``FP4COMPILE_EMULATED_GEMM=packed``, NVFP4, 2-D, on CUDA): ``fp4.packed_mm(a_codes,
+  a_scales, a_amax, b_codes, b_scales, b_amax, fmt, dtype)``, one Triton kernel that reads the packed
+  operands, decodes them in registers inside its K loop and applies alpha in its epilogue: no decode
+  kernels, no decoded copies, no epilogue kernel (``lower_kernels`` puts it into Inductor's code).
+  dgrad's W^T is W as stored (``b_kn=True``), so the packed transpose does not run. Decoded operands
+  (``Recipe.decoded_operands``) do not apply: the quantizers write packed operands.
 - **Emulated, packed** (elsewhere: the CPU, MXFP4, batched activation GEMMs):
   ``fp4.scaled_mm(..., "emulation")``, which decodes, multiplies and applies alpha in one op. A
   ``scaled_mm`` implementation a user registered (``executors.register``) keeps its ``fp4.scaled_mm``
@@ -53,7 +59,7 @@ from fp4compile import executors, scale_layout
 from fp4compile.contracts import broken, contract
 from fp4compile.sites import CompileContext, bound_arguments, call_unpacked, example_values, set_arguments
 from fp4compile.vocabulary import (
-    DECODE_BLOCKS, DEQUANTIZE, EMULATED_MM, FAKE_QUANTIZE, FAKE_RHT_QUANTIZE, QUANTIZE, QUANTIZE_SHARDED,
+    DECODE_BLOCKS, DEQUANTIZE, EMULATED_MM, FAKE_QUANTIZE, FAKE_RHT_QUANTIZE, PACKED_MM, QUANTIZE, QUANTIZE_SHARDED,
     RHT_QUANTIZE, SCALED_MM, SWIZZLE_SCALES, TRANSPOSE_QUANTIZED, gemm_nodes,
 )
 TRANSPOSE = torch.ops.aten.permute.default  # [1, 0]: what aot_autograd graphs hold (Inductor lowers no aten.t)
@@ -72,11 +78,13 @@ def decodes_on(device: torch.device) -> bool:
 
 
 def _form(kernel: str, fmt: str, batched: bool, device: torch.device) -> str:
-    """The GEMM's final form: "cutlass", "decoded" (the built-in emulation, where it decodes) or "packed"
-    (the emulation elsewhere, and any other implementation of ``scaled_mm`` a user registered, which
-    then runs as the op's call)."""
+    """The GEMM's final form: "cutlass", "triton" (the FP4-operand GEMM, ``fp4.packed_mm``), "decoded"
+    (the built-in emulation, where it decodes) or "packed" (the emulation elsewhere, and any other
+    implementation of ``scaled_mm`` a user registered, which then runs as the op's call)."""
     if executors.is_cutlass_kernel(kernel):
         return "cutlass"
+    if kernel == "triton":
+        return "triton"
     if kernel == "emulation" and fmt == "nvfp4" and not batched and decodes_on(device):
         return "decoded"
     return "packed"
@@ -117,6 +125,19 @@ def _tiled_scales(gm: fx.GraphModule, mm: fx.Node, name: str) -> str:
     tiled.meta["val"] = SWIZZLE_SCALES(value)
     set_arguments(mm, **{name: tiled})
     return why
+
+
+# -- The FP4-operand GEMM -------------------------------------------------------------------------
+
+def _packed_operands(a_parts: dict, b_parts: dict) -> tuple[tuple, dict]:
+    """``fp4.packed_mm``'s operands: A's and B's codes, scales and amax; dgrad's W^T (a
+    ``fp4.transpose_quantized`` of W) as W is stored, read transposed by the kernel (``b_kn``)."""
+    b_data, b_scales, extra = b_parts["data"], b_parts["scales"], {}
+    t = _unpacked((b_data, b_scales))
+    if t is not None and t.target is TRANSPOSE_QUANTIZED:
+        stored = bound_arguments(t)
+        b_data, b_scales, extra = stored["data"], stored["scales"], {"b_kn": True}
+    return (a_parts["data"], a_parts["scales"], a_parts["amax"], b_data, b_scales, b_parts["amax"]), extra
 
 
 # -- Emulated, decoded -----------------------------------------------------------------------------
@@ -195,7 +216,7 @@ def _ensures_lowered(gm: fx.GraphModule, ctx: CompileContext) -> None:
 
 @contract(after=("fuse_rht_quantize",), stages=("forward", "backward"), ensures=_ensures_lowered)
 def lower_gemms(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
-    forms = {"cutlass": 0, "decoded": 0, "packed": 0}
+    forms = {"cutlass": 0, "triton": 0, "decoded": 0, "packed": 0}
     decoded_gemms = []
     for node in gemm_nodes(gm):
         info = node.meta.get("fp4_role")
@@ -229,6 +250,9 @@ def lower_gemms(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             operands = (_decoded_operand(gm, node, a_parts["data"], a_parts["scales"]), a_parts["amax"],
                         _decoded_operand(gm, node, b_parts["data"], b_parts["scales"]), b_parts["amax"])
             target, args = EMULATED_MM, (*operands, info.precision, dtype)
+        elif form == "triton":
+            operands, extra = _packed_operands(a_parts, b_parts)
+            target, args, rule = PACKED_MM, (*operands, info.precision, dtype), {**rule, **extra}
         else:
             packed = tuple(p[k] for p in (a_parts, b_parts) for k in ("data", "scales", "amax"))
             target, args = SCALED_MM, (*packed, info.precision, dtype, choice.name)
@@ -264,6 +288,7 @@ def lower_gemms(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     if separate:
         ctx.note(f"graph {ctx.graph_id}: {separate} CUTLASS GEMM operands get their scales swizzled by a separate node")
     ctx.note(f"graph {ctx.graph_id}: lowered {sum(forms.values())} GEMMs: {forms['cutlass']} CUTLASS, "
+             f"{forms['triton']} FP4-operand Triton GEMMs, "
              f"{forms['decoded']} emulated on decoded operands ({by_quantizer} operands written decoded by "
              f"their quantizer, the others by fp4.decode_blocks), {forms['packed']} on packed operands")
     return gm

@@ -92,7 +92,7 @@ def test_patch_sets_fields_for_a_block_and_a_function():
 
 
 @pytest.mark.parametrize("changes, message", [
-    (dict(emulated_gemm="cublas"), "emulated_gemm='cublas': expected auto, cublaslt or torch"),
+    (dict(emulated_gemm="cublas"), "emulated_gemm='cublas': expected auto, cublaslt, torch or packed"),
     (dict(check_finite="yes"), "check_finite='yes': expected True or False"),
     (dict(cache_dir=3), "cache_dir=3: expected a string"),
 ])

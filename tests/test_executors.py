@@ -93,7 +93,8 @@ def test_the_table_orders_each_op():
     assert executors.implementations("quantize") == ("triton", "reference")
     assert executors.implementations("rht_quantize") == ("triton", "unfused")
     assert executors.implementations("emulated_mm") == ("cublaslt", "triton", "cuda-bf16", "reference")
-    assert executors.implementations("scaled_mm") == ("cutlass", "emulation")
+    assert executors.implementations("scaled_mm") == ("cutlass", "triton", "emulation")
+    assert executors.implementations("packed_mm") == ("triton", "reference")
     assert executors.arguments("wgrad_amax") == ("x", "size")
 
 
@@ -103,9 +104,9 @@ def test_a_choice_says_why_the_earlier_implementations_declined():
     assert choice.name == "unfused" and choice.declined == (("triton", "its input is on cpu, not CUDA"),)
     assert choice.reason == "triton declined: its input is on cpu, not CUDA"
     gemm = executors.choose_gemm(32, 64, 64, "nvfp4", torch.bfloat16, "cpu")
-    assert gemm.name == "emulation" and gemm.reason == "cutlass declined: device cpu is not a CUDA GPU"
+    assert gemm.name == "emulation" and gemm.reason == "cutlass, triton declined: device cpu is not a CUDA GPU"
     batched = executors.choose_gemm(32, 64, 64, "nvfp4", torch.bfloat16, "cpu", batched=True)
-    assert batched.reason == "cutlass declined: batched operands: the FP4 kernels take 2-D operands"
+    assert batched.reason.startswith("cutlass declined: batched operands: the FP4 kernels take 2-D operands; ")
 
 
 def test_bad_table_requests_name_the_op_and_the_implementation():

@@ -21,6 +21,7 @@ over the tensor per kernel.
 | ``transpose_tiles(data, scales)`` | codes and scales of W^T from a 16x16-tile quantized W | ``QTensor.transpose()`` |
 | ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alpha: torch.mm, then an epilogue kernel | ``reference.scaled_mm_reference`` |
 | ``cublaslt_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | the same in one cuBLASLt GEMM, alpha in its epilogue | ``reference.scaled_mm_reference`` |
+| ``packed_scaled_mm(a, sa, amax_a, b, sb, amax_b)`` | the same from packed codes and scales, decoded in registers: one launch | ``reference.scaled_mm_reference`` |
 
 The fake-quant outputs are exact in bf16 (an E2M1 value times an E4M3 scale has at most 6 significant
 bits), so an emulated FP4 GEMM is a plain bf16 GEMM with fp32 accumulation followed by the per-tensor
@@ -51,17 +52,18 @@ Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (sl
 
 The package is laid out by job: ``numerics`` (the device functions every kernel shares), ``rows``,
 ``rht``, ``mx`` and ``decode`` (the kernels by family), ``launch`` (launch parameters, grids, input
-checks, the launch), ``api`` (the functions above) and ``dispatch`` (each op's check and call for the
+checks, the launch), ``gemm`` (the FP4-operand GEMM), ``api`` (the functions above) and ``dispatch`` (each op's check and call for the
 executor table, ``fp4compile.executors``).
 """
 
 from __future__ import annotations
 
-from . import api, decode, dispatch, launch, mx, numerics, rht, rows
+from . import api, decode, dispatch, gemm, launch, mx, numerics, rht, rows
 from .api import (
     available, global_amax, wgrad_amax, quantize_1x16, quantize_16x16, quantize_wgrad_operand, quantize_mxfp4,
     quantize_wgrad_operand_mxfp4, fake_quantize_1x16, fake_quantize_16x16, fake_quantize_wgrad_operand,
     fake_quantize_dual, dequantize, block_decode, transpose_tiles, emulated_scaled_mm, cublaslt_scaled_mm, gemm_alpha,
+    packed_scaled_mm,
 )
 from .launch import CONFIGS
 
@@ -84,5 +86,6 @@ __all__ = [
     "emulated_scaled_mm",
     "cublaslt_scaled_mm",
     "gemm_alpha",
+    "packed_scaled_mm",
     "CONFIGS",
 ]

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from fp4compile.scale_layout import is_swizzled
+
 from .launch import (
     CONFIGS, Seed, _INPUT_DTYPES, _amax_arg, _as_rows, _hw_e4m3, _launch, _launch_options, _output_buffers,
     _require_triton, _scales_buffer, _scales_bytes, _seed_args, _tiles,
@@ -20,6 +22,7 @@ if triton is not None:  # the kernels exist only where triton does
     from .rht import _dual_quantize_kernel, _rht_amax_kernel, _rht_quantize_kernel
     from .mx import _quantize_mx_kernel, _rht_quantize_mx_kernel
     from .decode import _alpha_kernel, _decode_kernel, _epilogue_kernel, _transpose_tiles_kernel
+    from .gemm import _packed_mm_kernel
 
 
 @functools.lru_cache(maxsize=None)
@@ -459,3 +462,41 @@ def cublaslt_scaled_mm(
             raise
         cublaslt_gemm.log_fallback(err)
     return _mm_then_epilogue(a_bd, b_bd, amax_a, amax_b, out_dtype, scale_rule)
+
+
+def packed_scaled_mm(
+    a: torch.Tensor, a_scales: torch.Tensor, amax_a: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+    amax_b: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, scale_rule: str = "6", b_kn: bool = False,
+) -> torch.Tensor:
+    """C [M, N] = cast(alpha * (A @ B^T)) from packed NVFP4 operands in one launch (``gemm._packed_mm_kernel``):
+    A's codes [M, K/2] and E4M3 scale bytes [M, K/16]; B's codes [N, K/2] and scales [N, K/16], or with
+    ``b_kn`` those of a 16x16-tile quantized W [K, N] (B = W^T: dgrad's weight as stored). Scales in
+    either layout (row-major, or the 128x4 tiled one). The operands are decoded in registers (exact in
+    bf16) and multiplied with fp32 accumulation: ``reference.scaled_mm_reference`` up to the summation
+    order."""
+    _require_triton()
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"packed_scaled_mm takes 2-D packed operands, got {tuple(a.shape)} and {tuple(b.shape)}")
+    m, k = a.shape[0], a.shape[1] * 2
+    n = b.shape[1] * 2 if b_kn else b.shape[0]
+    if (b.shape[0] if b_kn else b.shape[1] * 2) != k:
+        raise ValueError(f"packed_scaled_mm: A holds K={k} but B's codes are {tuple(b.shape)} (b_kn={b_kn})")
+    if k % 16 or (b_kn and n % 16):
+        raise ValueError(f"packed_scaled_mm needs K (and with b_kn N) a multiple of 16, got M={m}, N={n}, K={k}")
+    a, b = a.view(torch.uint8).contiguous(), b.view(torch.uint8).contiguous()
+    a_swizzled, b_swizzled = is_swizzled(a, a_scales), is_swizzled(b, b_scales)
+    a_scales, b_scales = a_scales.view(torch.uint8).contiguous(), b_scales.view(torch.uint8).contiguous()
+    amax_a = amax_a.detach().to(a.device, torch.float32).reshape(1)
+    amax_b = amax_b.detach().to(a.device, torch.float32).reshape(1)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = CONFIGS["packed_mm"]
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    _launch(
+        _packed_mm_kernel, grid, a, a_scales, amax_a, b, b_scales, amax_b, out, m, n, k,
+        A_SWIZZLE=a_swizzled, B_SWIZZLE=b_swizzled, B_KN=b_kn, FOUR_SIX=scale_rule == "4/6",
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

@@ -20,7 +20,7 @@ from fp4compile.scale_layout import SWIZZLED, is_swizzled
 
 from .api import (
     available, block_decode, cublaslt_scaled_mm, emulated_scaled_mm, fake_quantize_16x16, fake_quantize_1x16, fake_quantize_dual,
-    fake_quantize_wgrad_operand, quantize_16x16, quantize_1x16, quantize_mxfp4, quantize_wgrad_operand,
+    fake_quantize_wgrad_operand, packed_scaled_mm, quantize_16x16, quantize_1x16, quantize_mxfp4, quantize_wgrad_operand,
     quantize_wgrad_operand_mxfp4, transpose_tiles, wgrad_amax as _wgrad_amax,
 )
 from .launch import _INPUT_DTYPES
@@ -227,3 +227,22 @@ def check_cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6") -> t
 
 def cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6") -> torch.Tensor:
     return cublaslt_scaled_mm(a, a_amax, b, b_amax, out_dtype, scale_rule)
+
+
+def check_packed_gemm(device) -> tuple[bool, str]:
+    """Whether the FP4-operand GEMM can run on ``device`` (the executor table's ``scaled_mm`` check)."""
+    ok, why = available()
+    return (True, why) if ok else (False, f"the Triton kernels cannot run here ({why})")
+
+
+def check_packed_mm(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule="6", b_kn=False) -> tuple[bool, str]:
+    """The FP4-operand GEMM: 2-D packed NVFP4 operands."""
+    if fmt != "nvfp4":
+        return False, f"it decodes NVFP4 operands, not {fmt}"
+    if a.dim() != 2 or b.dim() != 2:
+        return False, f"batched operands ({a.dim()}-D and {b.dim()}-D; the GEMM takes 2-D)"
+    return _packed(a)
+
+
+def packed_mm(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule="6", b_kn=False) -> torch.Tensor:
+    return packed_scaled_mm(a, a_scales, a_amax, b, b_scales, b_amax, out_dtype, scale_rule, b_kn)
