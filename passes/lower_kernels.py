@@ -34,6 +34,10 @@ analysed, as Inductor does for other kernels, which stay untouched). Likewise, n
 equal constants and tensor metadata (the same quantizer in every layer; an RNE node's unused seed
 counts as 0) are traced once per graph and inlined from that trace, so they also share Inductor's
 kernel-table entries.
+
+Under Inductor (on any device), each ``fp4.record_amax`` (an activation's amax written into its site's
+history) becomes the ATen ops of its implementation, a shift and a copy into the history, which Inductor
+fuses into a kernel of its own instead of calling the op from its code at every step.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from fp4compile import config, executors, runtime
 from fp4compile.contracts import broken, contract
 from fp4compile.sites import CompileContext, bound_arguments, copy_graph
-from fp4compile.vocabulary import SR_BASE
+from fp4compile.vocabulary import RECORD_AMAX, SR_BASE
 
 KERNEL_OPS = {
     torch.ops.fp4.quantize.default: "fp4.quantize",
@@ -342,6 +346,31 @@ def _key_streams(node: fx.Node, args: dict, keys: _StreamKeys) -> None:
         args[seed] = 0
 
 
+def _record_amax_in_graph(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Replace ``fp4.record_amax(history, amax)`` by the ATen ops of its implementation: the history
+    shifted by one with the amax appended (``aten.cat``), copied back into the history (``aten.copy_``, a
+    mutation of the graph's input that Inductor performs in its code). The op would otherwise be a call
+    from Inductor's code through the dispatcher at every step."""
+    history, amax = (bound_arguments(node)[k] for k in ("history", "amax"))
+    h = history.meta["val"]
+    graph = gm.graph
+    with graph.inserting_before(node):
+        older = graph.call_function(torch.ops.aten.slice.Tensor, (history, 0, 1, h.shape[0]))
+        newest = graph.call_function(torch.ops.aten.reshape.default, (amax, [1]))
+        if amax.meta["val"].dtype != h.dtype:
+            newest = graph.call_function(torch.ops.aten._to_copy.default, (newest,), {"dtype": h.dtype})
+        shifted = graph.call_function(torch.ops.aten.cat.default, ([older, newest],))
+        copied = graph.call_function(torch.ops.aten.copy_.default, (history, shifted))
+    with h.fake_mode:
+        for new in (older, newest, shifted, copied):
+            args, kwargs = fx.map_arg((new.args, new.kwargs), lambda a: a.meta["val"])
+            new.meta["val"] = new.target(*args, **kwargs)
+    for key in ("stack_trace", "fp4_quantize", "fp4_role"):
+        if key in node.meta:
+            copied.meta[key] = node.meta[key]
+    graph.erase_node(node)
+
+
 def _ensures_one_base_per_device(gm: fx.GraphModule, ctx: CompileContext) -> None:
     devices = [str(n.meta["val"].device) for n in gm.graph.find_nodes(op="call_function", target=SR_BASE)]
     if len(set(devices)) != len(devices):
@@ -359,6 +388,10 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     stage = ctx.stage
     before = copy_graph(gm.graph) if inductor else None  # its fp4 op nodes, for the report's traffic
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is RECORD_AMAX and inductor and config.in_graph_kernels:
+            _record_amax_in_graph(gm, node)
+            changed = True
+            continue
         if node.op != "call_function" or node.target not in KERNEL_OPS:
             continue
         args = bound_arguments(node)
