@@ -15,6 +15,7 @@ tensor has too (device, dtype, shape) and the op's constant arguments.
 | ``fake_quantize`` | as ``quantize``, without ``layout`` | ``triton``, ``unfused`` (the ``quantize`` entry, then the decode) |
 | ``fake_rht_quantize`` | as ``rht_quantize`` | ``triton``, ``unfused`` |
 | ``fake_dual_quantize`` | x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base, seed_base_t, scale_rule | ``triton`` (one launch), ``unfused`` (the two entries above) |
+| ``dual_quantize`` | as ``fake_dual_quantize`` | ``triton`` (one launch), ``unfused`` (the ``quantize`` and ``rht_quantize`` entries) |
 | ``wgrad_amax`` | x, size | ``triton``, ``reference`` |
 | ``transpose_quantized`` | data, scales, layout | ``triton``, ``reference`` |
 | ``decode_blocks`` | data, scales | ``triton``, ``reference`` |
@@ -262,6 +263,14 @@ def _two_decoded(x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t,
     return rows, transformed
 
 
+def _two_packed(x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base=None, seed_base_t=None,
+                scale_rule="6"):
+    rows = run("quantize", x, fmt, "1x16", rounding, seed, amax, seed_base, "row_major", scale_rule)
+    transformed = run("rht_quantize", x.t(), size, fmt, "1x16", rounding_t, seed_t, amax_t, seed_base_t, "row_major",
+                      scale_rule)
+    return rows[0], rows[1], transformed[0], transformed[1]
+
+
 def _check_cuda_bf16(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6") -> tuple[bool, str]:
     if fmt == "nvfp4":
         return False, "NVFP4 needs alpha in the epilogue"
@@ -294,6 +303,8 @@ _define("fake_rht_quantize", _RHT_QUANTIZE_ARGS + " scale_rule", _triton("fake_r
         _unfused(_rht_quantize_then_decode))
 _define("fake_dual_quantize", "x size fmt rounding seed amax rounding_t seed_t amax_t seed_base seed_base_t scale_rule",
         _triton("fake_dual_quantize"), _unfused(_two_decoded))
+_define("dual_quantize", "x size fmt rounding seed amax rounding_t seed_t amax_t seed_base seed_base_t scale_rule",
+        _triton("dual_quantize"), _unfused(_two_packed))
 _define("wgrad_amax", "x size", _triton("wgrad_amax"), _reference(reference.wgrad_amax))
 _define("transpose_quantized", "data scales layout", _triton("transpose_quantized"), _reference(reference.transpose_quantized))
 _define("decode_blocks", "data scales", _triton("decode_blocks"), _reference(reference.decode_blocks))

@@ -17,6 +17,7 @@ implementations.
 | ``fp4.scaled_mm(a, sa, amax_a, b, sb, amax_b, fmt, out_dtype, kernel)`` | FP4 GEMM, fp32 accumulate |
 | ``fp4.fake_quantize(x, fmt, block, rounding, seed)`` / ``fp4.fake_rht_quantize(x, size, ...)`` | block-decoded operand (bf16) and amax |
 | ``fp4.fake_dual_quantize(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t)`` | the two decoded operands of a gradient (1x16, and RHT(x.T)) in one launch |
+| ``fp4.dual_quantize(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t)`` | the same two quantizations of a gradient, packed (codes and scales of each), in one launch |
 | ``fp4.emulated_mm(a_bd, amax_a, b_bd, amax_b, fmt, out_dtype)`` | emulated FP4 GEMM on block-decoded operands |
 | ``fp4.packed_mm(a, sa, amax_a, b, sb, amax_b, fmt, out_dtype, scale_rule, b_kn)`` | emulated NVFP4 GEMM reading packed operands, decoded in registers (one Triton kernel on CUDA) |
 | ``fp4.record_amax(history, amax)`` | shifts an activation amax history and writes ``amax`` last, in place (``fp4compile.ranges``) |
@@ -333,6 +334,39 @@ def fake_dual_quantize(
 def _(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t, seed_base=None,
       seed_base_t=None, scale_rule="6"):
     return x.new_empty(x.shape, dtype=torch.bfloat16), x.new_empty((x.shape[1], x.shape[0]), dtype=torch.bfloat16)
+
+
+@_kernel_op("fp4::dual_quantize")
+def dual_quantize(
+    x: torch.Tensor, size: int, fmt: str, rounding: str, seed: int, check: str,
+    rounding_t: str, seed_t: int, check_t: str, amax: torch.Tensor, amax_t: torch.Tensor,
+    seed_base: Optional[torch.Tensor] = None, seed_base_t: Optional[torch.Tensor] = None, scale_rule: str = "6",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fp4.fake_dual_quantize`` with packed outputs: (codes, scales) of ``fp4.quantize(x, fmt, "1x16",
+    rounding, seed, check, amax)`` and (codes, scales) of ``fp4.rht_quantize(x.t(), size, fmt, "1x16",
+    rounding_t, seed_t, check_t, amax_t)``, both amaxes x's own (``fp4.wgrad_amax``): a [tokens, K] gradient
+    quantized for dgrad and, with the RHT, for wgrad. On CUDA one Triton launch quantizes each tile of x
+    both ways; elsewhere the two ops run in turn. The bits are those of the two ops."""
+    seed_base_t = seed_base if seed_base_t is None else seed_base_t
+    _check_amax(amax, fmt, x, "fp4.dual_quantize")
+    _check_amax(amax_t, fmt, x, "fp4.dual_quantize")
+    formats._check_scale_rule(scale_rule, fmt)
+    out = executors.run(
+        "dual_quantize", x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base, seed_base_t,
+        scale_rule,
+    )
+    _check_finite(check, amax, x)
+    _check_finite(check_t, amax_t, x.t(), size)
+    return tuple(out)
+
+
+@dual_quantize.register_fake
+def _(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t, seed_base=None,
+      seed_base_t=None, scale_rule="6"):
+    tokens, k = x.shape
+    u8 = torch.uint8
+    return (x.new_empty((tokens, k // 2), dtype=u8), x.new_empty((tokens, k // 16), dtype=u8),
+            x.new_empty((k, tokens // 2), dtype=u8), x.new_empty((k, tokens // 16), dtype=u8))
 
 
 @_kernel_op("fp4::transpose_quantized")

@@ -134,7 +134,8 @@ def _quantizer(args: dict, out) -> Cost:
 
 
 def _dual_quantizer(args: dict, out) -> Cost:
-    """``fake_dual_quantize``: one launch reads x and writes both decoded operands (amaxes given)."""
+    """``fake_dual_quantize`` / ``dual_quantize``: one launch reads x and writes both decoded operands, or both
+    operands' codes and scales (amaxes given)."""
     return Cost(1, 0, nbytes(args["x"]), _written(out))
 
 
@@ -200,6 +201,7 @@ COSTS: dict[tuple[str, str], Callable[[dict, object], Optional[Cost]]] = {
     ("fake_quantize", "triton"): _quantizer,
     ("fake_rht_quantize", "triton"): _quantizer,
     ("fake_dual_quantize", "triton"): _dual_quantizer,
+    ("dual_quantize", "triton"): _dual_quantizer,
     ("wgrad_amax", "triton"): _amax_pass,
     ("transpose_quantized", "triton"): _packed_pass,
     ("decode_blocks", "triton"): _packed_pass,

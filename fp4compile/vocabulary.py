@@ -35,6 +35,7 @@ DECODE_BLOCKS = torch.ops.fp4.decode_blocks.default
 FAKE_QUANTIZE = torch.ops.fp4.fake_quantize.default
 FAKE_RHT_QUANTIZE = torch.ops.fp4.fake_rht_quantize.default
 FAKE_DUAL_QUANTIZE = torch.ops.fp4.fake_dual_quantize.default
+DUAL_QUANTIZE = torch.ops.fp4.dual_quantize.default
 WGRAD_AMAX = torch.ops.fp4.wgrad_amax.default
 RECORD_AMAX = torch.ops.fp4.record_amax.default
 RECORD_STATS = torch.ops.fp4.record_stats.default

@@ -9,8 +9,10 @@ pass over the operand instead of two (an amax pass, then the quantizing pass):
 - a tensor quantized both along K (dgrad's dY) and, transposed with the RHT, along tokens (wgrad's
   dY^T) gets both amaxes from one ``fp4.wgrad_amax`` node, one read of the tensor for the two; where
   both quantizations are written decoded for the emulation (``lower_gemms``), they become one
-  ``fp4.fake_dual_quantize`` node, one more read for the two, and the GEMMs take the amaxes from
-  ``fp4.wgrad_amax`` (its metadata: ``fp4_quantize`` for dY, ``fp4_quantize_rht`` for dY^T);
+  ``fp4.fake_dual_quantize`` node, one more read for the two, and where both are written packed with
+  row-major scales (the packed emulation, the FP4-operand GEMM) one ``fp4.dual_quantize`` node; the
+  GEMMs take the amaxes from ``fp4.wgrad_amax`` (the dual node's metadata: ``fp4_quantize`` for dY,
+  ``fp4_quantize_rht`` for dY^T);
 - any other 1x16 operand whose producer Inductor compiles into a kernel of its own making (a layer
   norm, an activation function, a residual sum: anything but a graph input, a GEMM, attention or an
   ``fp4`` op) gets ``amax(abs(x))`` in the graph: a reduction whose first stage Inductor computes in
@@ -38,7 +40,9 @@ import torch.fx as fx
 from fp4compile import vocabulary
 from fp4compile.contracts import broken, contract
 from fp4compile.sites import CompileContext, bound_arguments, call_unpacked, example_tensor, set_arguments
-from fp4compile.vocabulary import FAKE_DUAL_QUANTIZE, FAKE_QUANTIZE, FAKE_RHT_QUANTIZE, QUANTIZE, RHT_QUANTIZE, WGRAD_AMAX
+from fp4compile.vocabulary import (
+    DUAL_QUANTIZE, FAKE_DUAL_QUANTIZE, FAKE_QUANTIZE, FAKE_RHT_QUANTIZE, QUANTIZE, RHT_QUANTIZE, WGRAD_AMAX,
+)
 
 aten = torch.ops.aten
 ROWS = (QUANTIZE, FAKE_QUANTIZE)
@@ -146,22 +150,31 @@ def _producer_amax(gm: fx.GraphModule, q: fx.Node) -> fx.Node:
     return out
 
 
+def _row_major(node: fx.Node) -> bool:
+    return bound_arguments(node)["layout"] == "row_major"
+
+
 def _make_dual(gm: fx.GraphModule, rows: fx.Node, transformed: fx.Node, base: fx.Node, amaxes: list, first: fx.Node):
-    """Replace a gradient's two decoded quantizations (``rows``: 1x16, ``transformed``: RHT of its
-    transpose), whose amaxes are ``amaxes`` (from ``fp4.wgrad_amax``), by one ``fp4.fake_dual_quantize``
-    of ``base``; readers of their amax outputs read ``amaxes`` instead."""
+    """Replace a gradient's two quantizations (``rows``: 1x16, ``transformed``: RHT of its transpose),
+    whose amaxes are ``amaxes`` (from ``fp4.wgrad_amax``), by one ``fp4.fake_dual_quantize`` of ``base``
+    (both decoded) or ``fp4.dual_quantize`` (both packed, scales row-major); readers of their amax outputs
+    read ``amaxes`` instead."""
     q, t = bound_arguments(rows), bound_arguments(transformed)
     args = (base, t["size"], q["fmt"], q["rounding"], q["seed"], q["check"], t["rounding"], t["seed"], t["check"], *amaxes)
     rule = {"scale_rule": q["scale_rule"]} if q["scale_rule"] != "6" else {}
+    packed = rows.target is QUANTIZE  # codes and scales of each, else the decoded operand of each
     with gm.graph.inserting_before(first):
-        dual, outputs = call_unpacked(gm.graph, FAKE_DUAL_QUANTIZE, args, 2, rule)
+        dual, outputs = call_unpacked(gm.graph, DUAL_QUANTIZE if packed else FAKE_DUAL_QUANTIZE, args,
+                                      4 if packed else 2, rule)
     dual.meta["fp4_quantize"] = dict(rows.meta.get("fp4_quantize", {}), dual=True)
     dual.meta["fp4_quantize_rht"] = dict(transformed.meta.get("fp4_quantize", {}), dual=True)
-    for old, decoded, amax in ((rows, outputs[0], amaxes[0]), (transformed, outputs[1], amaxes[1])):
+    per_operand = (outputs[:2], outputs[2:]) if packed else ((outputs[0],), (outputs[1],))
+    for old, written, amax in ((rows, per_operand[0], amaxes[0]), (transformed, per_operand[1], amaxes[1])):
         for item in list(old.users):
             if item.target is not operator.getitem:
                 raise AssertionError(f"fuse_amax: {old.name} is read other than through getitem")
-            item.replace_all_uses_with(decoded if item.args[1] == 0 else amax)
+            index = item.args[1]
+            item.replace_all_uses_with(written[index] if index < len(written) else amax)
             gm.graph.erase_node(item)
         gm.graph.erase_node(old)
 
@@ -196,7 +209,10 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         _give_amax(r, amaxes[1], "wgrad_amax")
         taken.add(partner)
         shared += 1
-        if partner.target is FAKE_QUANTIZE and r.target is FAKE_RHT_QUANTIZE:
+        both_decoded = partner.target is FAKE_QUANTIZE and r.target is FAKE_RHT_QUANTIZE
+        both_packed = (partner.target is QUANTIZE and r.target is RHT_QUANTIZE and _row_major(partner)
+                       and _row_major(r))
+        if both_decoded or both_packed:
             _make_dual(gm, partner, r, base, amaxes, first)
             dual += 1
     for q in rows:
@@ -210,7 +226,7 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             n.meta["fp4_quantize"] = dict(n.meta["fp4_quantize"], amax="given" if _has_amax(n) else "own pass")
     ctx.note(
         f"graph {ctx.graph_id}: {shared} tensors share one amax read between their two quantizations, "
-        f"{fused} quantizers take the amax from their operand's producer, {dual} gradients are decoded for "
+        f"{fused} quantizers take the amax from their operand's producer, {dual} gradients are quantized for "
         "dgrad and wgrad in one launch"
     )
     return gm

@@ -4,7 +4,7 @@ Requires: the final forward or backward graph (after ``fuse_amax``), nodes with 
 (``meta["val"]``).
 Guarantees: where the graph goes to Inductor (``ctx.inner == "inductor"``), every kernel op
 (``fp4.quantize``, ``fp4.rht_quantize``, ``fp4.fake_quantize``, ``fp4.fake_rht_quantize``,
-``fp4.fake_dual_quantize``, ``fp4.wgrad_amax``, ``fp4.transpose_quantized``, ``fp4.decode_blocks``,
+``fp4.fake_dual_quantize``, ``fp4.dual_quantize``, ``fp4.wgrad_amax``, ``fp4.transpose_quantized``, ``fp4.decode_blocks``,
 ``fp4.emulated_mm``, ``fp4.packed_mm``) whose call the Triton kernels take is replaced by the op's implementation traced
 functionally: its buffer allocations, aten ops (the emulated GEMM's ``torch.mm``) and its Triton
 kernels as ``triton_kernel_wrapper_functional`` nodes. Inductor compiles those kernels with its own (asynchronously, into its on-disk caches), launches
@@ -63,6 +63,7 @@ KERNEL_OPS = {
     torch.ops.fp4.fake_quantize.default: "fp4.fake_quantize",
     torch.ops.fp4.fake_rht_quantize.default: "fp4.fake_rht_quantize",
     torch.ops.fp4.fake_dual_quantize.default: "fp4.fake_dual_quantize",
+    torch.ops.fp4.dual_quantize.default: "fp4.dual_quantize",
     torch.ops.fp4.wgrad_amax.default: "fp4.wgrad_amax",
     torch.ops.fp4.transpose_quantized.default: "fp4.transpose_quantized",
     torch.ops.fp4.decode_blocks.default: "fp4.decode_blocks",

@@ -463,7 +463,8 @@ def test_lower_gemms_decodes_an_operand_read_elsewhere(marked_unshared, monkeypa
 def _amax_sources(graph):
     quantizers = (F4.quantize.default, F4.rht_quantize.default, F4.fake_quantize.default, F4.fake_rht_quantize.default)
     metas = [n.meta["fp4_quantize"] for n in graph.graph.nodes if n.target in quantizers]
-    for n in role_nodes(graph, F4.fake_dual_quantize.default):  # a gradient's two quantizations in one node
+    duals = role_nodes(graph, F4.fake_dual_quantize.default) + role_nodes(graph, F4.dual_quantize.default)
+    for n in duals:  # a gradient's two quantizations in one node
         metas += [n.meta["fp4_quantize"], n.meta["fp4_quantize_rht"]]
     return sorted((m["operand"], m["amax"]) for m in metas)
 
@@ -493,11 +494,13 @@ def test_fuse_amax_gives_quantizers_their_amax_with_the_same_bits(marked, monkey
     assert len(shared) == 4
     for node in shared:
         readers = {u.target for item in node.users for u in item.users}
-        # Decoded: dY's two quantizations are one fake_dual_quantize, and the GEMMs read the amaxes here.
-        assert readers == ({F4.fake_dual_quantize.default, F4.emulated_mm.default} if decoded
-                           else {F4.quantize.default, F4.rht_quantize.default})
+        # dY's two quantizations are one node (decoded or packed), and the GEMMs read the amaxes here.
+        dual = F4.fake_dual_quantize.default if decoded else F4.dual_quantize.default
+        assert readers == {dual, F4.emulated_mm.default}
         assert len(node.users) == 2
     assert len(role_nodes(backward, F4.fake_dual_quantize.default)) == (4 if decoded else 0)
+    assert len(role_nodes(backward, F4.dual_quantize.default)) == (0 if decoded else 4)
+    assert not role_nodes(backward, F4.quantize.default)  # every dY quantizer went into a dual node
     assert torch.equal(y, y_ref)
     assert len(grads) == len(grads_ref) > 0
     for g, g_ref in zip(grads, grads_ref):

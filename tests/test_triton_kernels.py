@@ -188,6 +188,21 @@ def test_fake_quantize_dual_equals_the_two_quantizations(dtype, rounding, roundi
     assert torch.equal(transformed.cpu().float(), formats.block_decode(ref).float())
 
 
+@pytest.mark.parametrize(*first_fast("dtype", DTYPES))
+@pytest.mark.parametrize("rounding, rounding_t", [("sr", "sr"), ("rne", "sr")])
+def test_quantize_dual_equals_the_two_packed_quantizations(dtype, rounding, rounding_t):
+    """The packed form of the dual launch: the codes and scales of the 1x16 and the RHT(x^T) quantizers."""
+    x = sample((96, 80), dtype, seed=13).to(DEVICE)
+    amax, amax_t = tk.wgrad_amax(x)
+    data, scales, data_t, scales_t = tk.quantize_dual(x, rounding, 7, amax, rounding_t, BIG_SEED, amax_t)
+    want = tk.quantize_1x16(x, rounding, 7, amax=amax, amax_is_own=True)
+    want_t = tk.quantize_wgrad_operand(x, rounding_t, BIG_SEED, amax=amax_t, amax_is_own=True)
+    assert data.shape == (96, 40) and scales.shape == (96, 5) and data_t.shape == (80, 48) and scales_t.shape == (80, 6)
+    for got, expected in zip((data, scales, data_t, scales_t), (*want[:2], *want_t[:2])):
+        assert torch.equal(got, expected)
+    assert_same_quantization(data_t, scales_t, amax_t, wgrad_reference(x.cpu(), rounding_t, seed=BIG_SEED))
+
+
 def test_global_amax_and_wgrad_amax():
     x = sample((64, 48), torch.bfloat16, seed=8)
     assert torch.equal(tk.global_amax(x.to(DEVICE)).cpu(), x.float().abs().amax())

@@ -17,6 +17,7 @@ over the tensor per kernel.
 | ``quantize_wgrad_operand_mxfp4(x, ..)`` | the same for RHT(x^T): [K, tokens/2] .. | ``quantize(rht(x.t()), "mxfp4", ..)`` |
 | ``fake_quantize_*`` | (value(code) * block scale in bf16, amax) | ``block_decode(quantize(..))`` |
 | ``fake_quantize_dual(x, ..)`` | both decoded operands of a gradient: 1x16 and RHT(x^T), one launch | the two ``fake_quantize_*`` |
+| ``quantize_dual(x, ..)`` | the same, packed: codes and scales of both | ``quantize_1x16`` and ``quantize_wgrad_operand`` |
 | ``dequantize`` / ``block_decode`` | decoded tensor from codes and scales | ``formats.dequantize`` / ``block_decode`` |
 | ``transpose_tiles(data, scales)`` | codes and scales of W^T from a 16x16-tile quantized W | ``QTensor.transpose()`` |
 | ``emulated_scaled_mm(a_bd, amax_a, b_bd, amax_b)`` | (A_bd @ B_bd^T, fp32 accumulate) * alpha: torch.mm, then an epilogue kernel | ``reference.scaled_mm_reference`` |
@@ -62,7 +63,7 @@ from . import api, decode, dispatch, gemm, launch, mx, numerics, rht, rows
 from .api import (
     available, global_amax, wgrad_amax, quantize_1x16, quantize_16x16, quantize_wgrad_operand, quantize_mxfp4,
     quantize_wgrad_operand_mxfp4, fake_quantize_1x16, fake_quantize_16x16, fake_quantize_wgrad_operand,
-    fake_quantize_dual, dequantize, block_decode, transpose_tiles, emulated_scaled_mm, cublaslt_scaled_mm, gemm_alpha,
+    fake_quantize_dual, quantize_dual, dequantize, block_decode, transpose_tiles, emulated_scaled_mm, cublaslt_scaled_mm, gemm_alpha,
     packed_scaled_mm,
 )
 from .launch import CONFIGS
@@ -87,5 +88,6 @@ __all__ = [
     "cublaslt_scaled_mm",
     "gemm_alpha",
     "packed_scaled_mm",
+    "quantize_dual",
     "CONFIGS",
 ]

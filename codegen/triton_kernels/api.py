@@ -303,24 +303,47 @@ def fake_quantize_dual(
     launch that quantizes each tile of the [tokens, K] tensor x both ways (the second read of a tile
     mostly from L2): a gradient dY quantized for dgrad and, with the RHT, for wgrad. ``amax`` and
     ``amax_t`` must be x's own (``wgrad_amax(x)``)."""
+    bd, bd_t = _dual(x, rounding, seed, amax, rounding_t, seed_t, amax_t, fake=True)
+    return bd.reshape(x.shape), bd_t
+
+
+def quantize_dual(
+    x: torch.Tensor, rounding: str, seed: Seed, amax: torch.Tensor,
+    rounding_t: str, seed_t: Seed, amax_t: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fake_quantize_dual`` writing packed operands: (codes [tokens, K/2], scales [tokens, K/16]) of
+    ``quantize_1x16(x, rounding, seed, amax=amax, amax_is_own=True)`` and (codes [K, tokens/2], scales
+    [K, tokens/16]) of ``quantize_wgrad_operand(x, rounding_t, seed_t, amax=amax_t, amax_is_own=True)``,
+    bit for bit, from one launch. ``amax`` and ``amax_t`` must be x's own (``wgrad_amax(x)``)."""
+    return _dual(x, rounding, seed, amax, rounding_t, seed_t, amax_t, fake=False)
+
+
+def _dual(x, rounding, seed, amax, rounding_t, seed_t, amax_t, fake: bool) -> tuple:
     _require_triton()
-    x2 = _as_rows(x, "fake_quantize_dual", rows_multiple=16, pair_words=True)
+    x2 = _as_rows(x, "quantize_dual", rows_multiple=16, pair_words=True)
     m, k = x2.shape
     cfg = CONFIGS["dual_quantize"]
-    bd = torch.empty((m, k), dtype=torch.bfloat16, device=x2.device)
-    bd_t = torch.empty((k, m), dtype=torch.bfloat16, device=x2.device)
-    given = [_amax_arg(a, x2.device) for a in (amax, amax_t)]
-    seeds = _seed_args(rounding, seed, x2, bd)
-    seeds_t = _seed_args(rounding_t, seed_t, x2, bd)
+    device = x2.device
+    if fake:
+        bd = torch.empty((m, k), dtype=torch.bfloat16, device=device)
+        bd_t = torch.empty((k, m), dtype=torch.bfloat16, device=device)
+        buffers = (bd, bd, bd, bd_t, bd_t, bd_t)
+    else:
+        data, scales = torch.empty((m, k // 2), dtype=torch.uint8, device=device), _scales_buffer(m, k // 16, False, device)
+        data_t, scales_t = torch.empty((k, m // 2), dtype=torch.uint8, device=device), _scales_buffer(k, m // 16, False, device)
+        buffers = (data, scales, data, data_t, scales_t, data_t)
+    given = [_amax_arg(a, device) for a in (amax, amax_t)]
+    seeds = _seed_args(rounding, seed, x2, buffers[0])
+    seeds_t = _seed_args(rounding_t, seed_t, x2, buffers[0])
     grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"]))
     _launch(
         _dual_quantize_kernel, grid,
-        x2, given[0], given[1], bd, bd_t, m, k, x2.stride(0),
+        x2, given[0], given[1], *buffers, m, k, x2.stride(0),
         seeds["seed_ptr"], seeds["seed_lo"], seeds["seed_hi"], seeds_t["seed_ptr"], seeds_t["seed_lo"], seeds_t["seed_hi"],
         SR=rounding == "sr", MIX=seeds["MIX"], SR_T=rounding_t == "sr", MIX_T=seeds_t["MIX"],
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], E4M3=_hw_e4m3(x2.device), **order, **_launch_options(cfg),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], E4M3=_hw_e4m3(device), FAKE=fake, **order, **_launch_options(cfg),
     )
-    return bd.reshape(x.shape), bd_t
+    return (buffers[2], buffers[5]) if fake else (buffers[0], buffers[1], buffers[3], buffers[4])
 
 
 def _decode(data, scales, amax, dtype, swizzled, apply_amax):

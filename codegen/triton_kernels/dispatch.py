@@ -20,7 +20,7 @@ from fp4compile.scale_layout import SWIZZLED, is_swizzled
 
 from .api import (
     available, block_decode, cublaslt_scaled_mm, emulated_scaled_mm, fake_quantize_16x16, fake_quantize_1x16, fake_quantize_dual,
-    fake_quantize_wgrad_operand, packed_scaled_mm, quantize_16x16, quantize_1x16, quantize_mxfp4, quantize_wgrad_operand,
+    fake_quantize_wgrad_operand, packed_scaled_mm, quantize_16x16, quantize_dual, quantize_1x16, quantize_mxfp4, quantize_wgrad_operand,
     quantize_wgrad_operand_mxfp4, transpose_tiles, wgrad_amax as _wgrad_amax,
 )
 from .launch import _INPUT_DTYPES
@@ -155,6 +155,19 @@ def check_fake_dual_quantize(x, size, fmt, *rest) -> tuple[bool, str]:
 def fake_dual_quantize(x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base=None,
                        seed_base_t=None, scale_rule="6") -> tuple:
     return fake_quantize_dual(
+        x, rounding, kernel_stream(x, rounding, seed, seed_base), amax,
+        rounding_t, kernel_stream(x, rounding_t, seed_t, seed_base_t), amax_t,
+    )
+
+
+def check_dual_quantize(x, size, fmt, *rest) -> tuple[bool, str]:
+    """Both packed operands of a [tokens, K] gradient in one launch (tokens a multiple of 16)."""
+    return check_fake_dual_quantize(x, size, fmt, *rest)
+
+
+def dual_quantize(x, size, fmt, rounding, seed, amax, rounding_t, seed_t, amax_t, seed_base=None,
+                  seed_base_t=None, scale_rule="6") -> tuple:
+    return quantize_dual(
         x, rounding, kernel_stream(x, rounding, seed, seed_base), amax,
         rounding_t, kernel_stream(x, rounding_t, seed_t, seed_base_t), amax_t,
     )

@@ -336,23 +336,25 @@ if triton is not None:
 
     @_jit(do_not_specialize=("seed_lo", "seed_hi", "seed_t_lo", "seed_t_hi"))
     def _dual_quantize_kernel(
-        x_ptr, amax_ptr, amax_t_ptr, bd_ptr, bd_t_ptr, M, K, stride_xm,
-        seed_ptr, seed_lo, seed_hi, seed_t_ptr, seed_t_lo, seed_t_hi,
+        x_ptr, amax_ptr, amax_t_ptr, data_ptr, scales_ptr, bd_ptr, data_t_ptr, scales_t_ptr, bd_t_ptr, M, K,
+        stride_xm, seed_ptr, seed_lo, seed_hi, seed_t_ptr, seed_t_lo, seed_t_hi,
         SR: tl.constexpr, MIX: tl.constexpr, SR_T: tl.constexpr, MIX_T: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, K_FIRST: tl.constexpr = False, E4M3: tl.constexpr = False,
+        FAKE: tl.constexpr = True,
     ):
-        """Both NVFP4 quantizations of a [M tokens, K] tensor, block-decoded, with their own amaxes given
-        (``fp4.wgrad_amax``): 1x16 blocks along K into bd_ptr [M, K], and RHT(x^T) with 16-token blocks
-        into bd_t_ptr [K, M]. Each program quantizes its tile both ways, so the second read of the tile
-        comes mostly from L2."""
+        """Both NVFP4 quantizations of a [M tokens, K] tensor, with their own amaxes given
+        (``fp4.wgrad_amax``): 1x16 blocks along K (codes data_ptr [M, K/2], scales scales_ptr [M, K/16], or
+        with FAKE block-decoded into bd_ptr [M, K]), and RHT(x^T) with 16-token blocks (data_t_ptr [K, M/2],
+        scales_t_ptr [K, M/16], or bd_t_ptr [K, M]). Each program quantizes its tile both ways, so the
+        second read of the tile comes mostly from L2."""
         pid_m, pid_k = _tile_ids(K_FIRST)
         seed_t_lo, seed_t_hi = _stream_key(seed_t_ptr, seed_t_lo, seed_t_hi, MIX_T)
         _rht_quantize_tile(
-            x_ptr, bd_t_ptr, bd_t_ptr, bd_t_ptr, tl.load(amax_t_ptr), M, K, stride_xm, seed_t_lo, seed_t_hi,
-            pid_m, pid_k, SR_T, False, True, BLOCK_M, BLOCK_K, E4M3,
+            x_ptr, data_t_ptr, scales_t_ptr, bd_t_ptr, tl.load(amax_t_ptr), M, K, stride_xm, seed_t_lo, seed_t_hi,
+            pid_m, pid_k, SR_T, False, FAKE, BLOCK_M, BLOCK_K, E4M3,
         )
         seed_lo, seed_hi = _stream_key(seed_ptr, seed_lo, seed_hi, MIX)
         _quantize_blocks_tile(
-            x_ptr, bd_ptr, bd_ptr, bd_ptr, tl.load(amax_ptr), M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
-            SR, False, True, BLOCK_M, BLOCK_K, E4M3,
+            x_ptr, data_ptr, scales_ptr, bd_ptr, tl.load(amax_ptr), M, K, stride_xm, seed_lo, seed_hi, pid_m, pid_k,
+            SR, False, FAKE, BLOCK_M, BLOCK_K, E4M3,
         )
