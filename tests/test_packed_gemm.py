@@ -114,23 +114,6 @@ def test_shapes_it_refuses(tk):
 # -- the lowering ----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def packed_on_cpu(monkeypatch):
-    """``FP4COMPILE_EMULATED_GEMM=packed`` with the table's ``scaled_mm`` "triton" check taking CPU GEMMs
-    too: ``lower_gemms`` then makes them ``fp4.packed_mm`` nodes, which run the reference on the CPU."""
-    monkeypatch.setattr(config, "emulated_gemm", "packed")
-    entry = executors.unregister("scaled_mm", "triton")
-
-    def check(spec):
-        ok, why = entry.check(spec)
-        return (True, "the FP4-operand GEMM (CPU test)") if spec.device.type == "cpu" and spec.fmt == "nvfp4" else (ok, why)
-
-    executors.register("scaled_mm", "triton", check, entry.call, after="cutlass")
-    yield
-    executors.unregister("scaled_mm", "triton")
-    executors.register("scaled_mm", "triton", entry.check, entry.call, after="cutlass")
-
-
 def _step(**options):
     torch._dynamo.reset()
     fp4compile.manual_seed(0)

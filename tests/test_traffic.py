@@ -127,3 +127,26 @@ def test_a_graph_compiled_for_the_cpu_is_costed_as_cuda_runs_its_nodes():
         assert "not modelled: fp4.scaled_mm by emulation (6 nodes)" in report.traffic_table()
     finally:
         traffic.COSTS["scaled_mm", "emulation"] = saved
+
+
+def test_the_fp4_operand_gemm_halves_the_launches(for_cuda, packed_on_cpu):
+    """FP4COMPILE_EMULATED_GEMM=packed, as a GPU compiles it: each GEMM reads its packed operands itself (no
+    decode, epilogue or packed transpose kernel; dgrad reads W as stored), so of a linear's non-GEMM
+    launches only the quantizers and amax passes remain."""
+    rows = _rows(_report())
+    m, n, k, f32 = TOKENS, 4 * D, D, 4
+    codes = lambda rows, cols: rows * cols // 2 + rows * cols // 16  # noqa: E731
+    # fprop: W's amax pass and quantization, X's wgrad_amax and quantization, the amax record (cat, copy).
+    assert rows["layers.1.fc", "fprop"] == TrafficRow(
+        "layers.1.fc", "fprop", launches=2 + 1 + 1 + 2, gemm_launches=1,
+        bytes_read=2 * n * k * f32 + m * k * f32 + m * k * f32 + 2 * 16 * f32,
+        bytes_written=codes(n, k) + codes(m, k) + 2 * 16 * f32,
+    )
+    # dgrad: dY's wgrad_amax and the dual launch (dY 1x16 and RHT(dY^T) packed); wgrad: RHT(X^T) alone.
+    assert rows["layers.1.fc", "dgrad"] == TrafficRow(
+        "layers.1.fc", "dgrad", launches=2, gemm_launches=1, bytes_read=2 * m * n * f32,
+        bytes_written=codes(m, n) + codes(n, m))
+    assert rows["layers.1.fc", "wgrad"] == TrafficRow(
+        "layers.1.fc", "wgrad", launches=1, gemm_launches=1, bytes_read=m * k * f32, bytes_written=codes(k, m))
+    total = sum((Cost(r.launches, r.gemm_launches, r.bytes_read, r.bytes_written) for r in rows.values()), Cost())
+    assert (total.launches, total.gemm_launches) == (18, 6)  # 36 non-GEMM launches with decoded GEMMs
