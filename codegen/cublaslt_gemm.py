@@ -94,6 +94,8 @@ def enabled() -> bool:
 
 def describe() -> str:
     """Which GEMM the emulation runs on this machine and why, for the report (``enabled()``'s choice)."""
+    if config.emulated_gemm == "packed":
+        return "one Triton kernel on the packed operands where it takes the GEMM (FP4COMPILE_EMULATED_GEMM=packed)"
     try:
         if enabled():
             return f"alpha in cuBLASLt's epilogue ({available()[1]})"

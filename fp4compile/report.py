@@ -442,6 +442,7 @@ _KIND_BY_TARGET = {
     torch.ops.fp4.fake_quantize.default: "quantize",
     torch.ops.fp4.fake_rht_quantize.default: "rht_quantize",
     torch.ops.fp4.fake_dual_quantize.default: "rht_quantize",  # a gradient for dgrad and, with the RHT, wgrad
+    torch.ops.fp4.dual_quantize.default: "rht_quantize",  # the same, packed
     torch.ops.fp4.emulated_mm.default: "fp4_gemm",
     torch.ops.fp4.packed_mm.default: "fp4_gemm",
     torch.ops.fp4.transpose_quantized.default: "quantize",  # the forward's quantized weight, for dgrad
@@ -517,7 +518,7 @@ def _label(kind: str, node: fx.Node, attrs: dict) -> str:
     if kind in ("quantize", "rht_quantize"):
         q = node.meta.get("fp4_quantize", {})
         what = "RHT + quantize" if kind == "rht_quantize" else "quantize"
-        if node.target is torch.ops.fp4.fake_dual_quantize.default:
+        if node.target in (torch.ops.fp4.fake_dual_quantize.default, torch.ops.fp4.dual_quantize.default):
             what = "quantize + RHT + quantize"
         if node.target is torch.ops.fp4.transpose_quantized.default:
             what = "transposed"

@@ -139,6 +139,12 @@ def _dual_quantizer(args: dict, out) -> Cost:
     return Cost(1, 0, nbytes(args["x"]), _written(out))
 
 
+def _dual_in_turn(args: dict, out) -> Cost:
+    """``fake_dual_quantize`` / ``dual_quantize`` where the one-launch kernel declines: the two quantizers
+    in turn, each one pass over x (amaxes given)."""
+    return Cost(2, 0, 2 * nbytes(args["x"]), _written(out))
+
+
 def _amax_pass(args: dict, out) -> Cost:
     """``wgrad_amax``: one launch reads x (its results are two scalars)."""
     return Cost(1, 0, nbytes(args["x"]), 0)
@@ -202,6 +208,8 @@ COSTS: dict[tuple[str, str], Callable[[dict, object], Optional[Cost]]] = {
     ("fake_rht_quantize", "triton"): _quantizer,
     ("fake_dual_quantize", "triton"): _dual_quantizer,
     ("dual_quantize", "triton"): _dual_quantizer,
+    ("fake_dual_quantize", "unfused"): _dual_in_turn,
+    ("dual_quantize", "unfused"): _dual_in_turn,
     ("wgrad_amax", "triton"): _amax_pass,
     ("transpose_quantized", "triton"): _packed_pass,
     ("decode_blocks", "triton"): _packed_pass,

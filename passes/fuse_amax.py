@@ -154,6 +154,16 @@ def _row_major(node: fx.Node) -> bool:
     return bound_arguments(node)["layout"] == "row_major"
 
 
+def _one_launch_takes(rows: fx.Node, transformed: fx.Node, base: fx.Node) -> bool:
+    """Whether the dual kernel takes the pair (``check_fake_dual_quantize`` less the device): the block
+    scale rule "6", the 16-point RHT, a 2-D [tokens, K] gradient with tokens a multiple of 16. Elsewhere
+    the two quantizers stay apart, each a kernel of its own in Inductor's code."""
+    val = base.meta.get("val")
+    return (bound_arguments(rows)["scale_rule"] == "6" and bound_arguments(transformed)["size"] == 16
+            and isinstance(val, torch.Tensor) and val.dim() == 2 and isinstance(val.shape[0], int)
+            and val.shape[0] % 16 == 0)
+
+
 def _make_dual(gm: fx.GraphModule, rows: fx.Node, transformed: fx.Node, base: fx.Node, amaxes: list, first: fx.Node):
     """Replace a gradient's two quantizations (``rows``: 1x16, ``transformed``: RHT of its transpose),
     whose amaxes are ``amaxes`` (from ``fp4.wgrad_amax``), by one ``fp4.fake_dual_quantize`` of ``base``
@@ -212,7 +222,7 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         both_decoded = partner.target is FAKE_QUANTIZE and r.target is FAKE_RHT_QUANTIZE
         both_packed = (partner.target is QUANTIZE and r.target is RHT_QUANTIZE and _row_major(partner)
                        and _row_major(r))
-        if both_decoded or both_packed:
+        if (both_decoded or both_packed) and _one_launch_takes(partner, r, base):
             _make_dual(gm, partner, r, base, amaxes, first)
             dual += 1
     for q in rows:

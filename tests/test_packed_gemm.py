@@ -40,8 +40,9 @@ def tk(monkeypatch):
 
 def _operands(m, n, k, seed, rule="6", b_kn=False, exact=False):
     """Quantized A [m, k] (1x16) and B [n, k] (16x16, given as W [k, n] with ``b_kn``), as (codes, scales,
-    amax) each. ``exact``: codes of random values with every block scale 1 (E4M3 0x38), so that the
-    products are multiples of 1/4 up to 36 and every summation order gives the same fp32 sums."""
+    amax) each. ``exact``: the codes of random values with block scales drawn from 1/2, 1, 2 and 4 (a
+    16x16 tile's scale the same on its 16 rows), so that the products are multiples of 1/16 up to 576 and
+    every summation order gives the same fp32 sums, while a scale read from the wrong block shows."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * torch.logspace(-2, 1, k)
     w = torch.randn((k, n) if b_kn else (n, k), generator=g) * 0.3
@@ -49,8 +50,10 @@ def _operands(m, n, k, seed, rule="6", b_kn=False, exact=False):
     qb = formats.quantize(w, "nvfp4", "16x16", "rne", 0, scale_rule=rule)
     a, b = (qa.data, qa.scales.view(torch.uint8), qa.amax), (qb.data, qb.scales.view(torch.uint8), qb.amax)
     if exact:
-        a = (a[0], torch.full_like(a[1], 0x38), a[2])
-        b = (b[0], torch.full_like(b[1], 0x38), b[2])
+        powers = torch.tensor([0x30, 0x38, 0x40, 0x48], dtype=torch.uint8)  # E4M3 1/2, 1, 2, 4
+        a = (a[0], powers[torch.randint(0, 4, a[1].shape, generator=g)], a[2])
+        tiles = powers[torch.randint(0, 4, (b[1].shape[0] // 16, b[1].shape[1]), generator=g)]
+        b = (b[0], tiles.repeat_interleave(16, dim=0), b[2])
     return a, b
 
 
@@ -96,17 +99,22 @@ def _abs_product(a, b, rule, b_kn):
     return (da @ db.t()) * formats.gemm_alpha(a[2], b[2], rule)
 
 
-def test_swizzled_scales_read_as_row_major(tk):
-    a, b = _operands(128, 64, 64, seed=3)
-    want = _run(tk, a, b, out_dtype=torch.float32)
-    a_tiled = (a[0], formats.swizzle_scales(a[1]), a[2])
-    assert torch.equal(_run(tk, a_tiled, b, out_dtype=torch.float32), want)
+@pytest.mark.parametrize("m, n, k", [(128, 64, 64), (48, 80, 112)])  # the second pads the tiled layout
+@pytest.mark.parametrize("b_kn", [False, True])
+def test_swizzled_scales_read_as_row_major(tk, m, n, k, b_kn):
+    a, b = _operands(m, n, k, seed=3, b_kn=b_kn, exact=True)
+    want = _run(tk, a, b, out_dtype=torch.float32, b_kn=b_kn)
+    tiled = lambda q: (q[0], formats.swizzle_scales(q[1]), q[2])  # noqa: E731
+    for a_, b_ in ((tiled(a), b), (a, tiled(b)), (tiled(a), tiled(b))):
+        assert torch.equal(_run(tk, a_, b_, out_dtype=torch.float32, b_kn=b_kn), want)
 
 
 def test_shapes_it_refuses(tk):
     a, b = _operands(32, 32, 64, seed=1)
     with pytest.raises(ValueError, match="K=64"):
         tk.packed_scaled_mm(*a, b[0][:, :16], b[1], b[2])
+    with pytest.raises(ValueError, match=r"B's scales hold 64 bytes; \[32, 4\]"):
+        tk.packed_scaled_mm(*a, b[0], b[1][:16], b[2])
     with pytest.raises(ValueError, match="2-D"):
         tk.packed_scaled_mm(a[0][None], a[1], a[2], *b)
 

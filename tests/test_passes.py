@@ -508,6 +508,27 @@ def test_fuse_amax_gives_quantizers_their_amax_with_the_same_bits(marked, monkey
 
 
 @pytest.mark.parametrize("decoded", [False, True])
+def test_fuse_amax_keeps_the_pair_apart_where_the_one_launch_kernel_declines(marked, monkeypatch, decoded):
+    """Under the 4/6 block scale rule the dual kernel declines (it has no such rule): dY's two quantizers
+    share the wgrad_amax read but stay two nodes, each a kernel of its own, with the same bits."""
+    gm, example, ctx = marked
+    import fp4compile
+
+    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: True)
+    ctx.recipe = ctx.recipe.replace(decoded_operands=decoded, block_scale_rule="4/6")
+    fp4compile.manual_seed(5)
+    _, y_ref, grads_ref = _run_with_grads(gm, example, ctx, LOWERED)
+    monkeypatch.setattr(amax_module, "applies", lambda node: True)
+    fp4compile.manual_seed(5)
+    graphs, y, grads = _run_with_grads(gm, example, ctx, LOWERED + [fuse_amax])
+    backward = graphs["backward"]
+    assert len(role_nodes(backward, F4.wgrad_amax.default)) == 4
+    assert not role_nodes(backward, F4.dual_quantize.default) + role_nodes(backward, F4.fake_dual_quantize.default)
+    assert torch.equal(y, y_ref)
+    assert all(torch.equal(g, g_ref) for g, g_ref in zip(grads, grads_ref)) and len(grads) == len(grads_ref) > 0
+
+
+@pytest.mark.parametrize("decoded", [False, True])
 def test_forward_shares_x_amaxes_with_wgrad(dynamo_graph, monkeypatch, decoded):
     """Where X's amax costs a read (CUDA; forced here on the CPU), each FP4 linear's forward computes both
     amaxes of X in one fp4.wgrad_amax: fprop's X quantizer takes the first, and the backward keeps the

@@ -509,6 +509,11 @@ def packed_scaled_mm(
     a, b = a.view(torch.uint8).contiguous(), b.view(torch.uint8).contiguous()
     a_swizzled, b_swizzled = is_swizzled(a, a_scales), is_swizzled(b, b_scales)
     a_scales, b_scales = a_scales.view(torch.uint8).contiguous(), b_scales.view(torch.uint8).contiguous()
+    b_rows, b_cols = (k, n // 16) if b_kn else (n, k // 16)
+    for name, scales, rows, cols, swizzled in (("A", a_scales, m, k // 16, a_swizzled), ("B", b_scales, b_rows, b_cols, b_swizzled)):
+        if scales.numel() != _scales_bytes(rows, cols, swizzled):
+            raise ValueError(f"packed_scaled_mm: {name}'s scales hold {scales.numel()} bytes; [{rows}, {cols}] "
+                             f"(swizzled={swizzled}) needs {_scales_bytes(rows, cols, swizzled)}")
     amax_a = amax_a.detach().to(a.device, torch.float32).reshape(1)
     amax_b = amax_b.detach().to(a.device, torch.float32).reshape(1)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
