@@ -74,15 +74,15 @@ def kernel_specs(tk, arch: int = 90, extra: bool = False):
         if "TILE_ROWS" in args:
             consts.update(TILE_ROWS=1, ITERS=cfg.get("ITERS", 1))
         specs[name] = (kernel, args, consts, key)
-    dual = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "amax_t_ptr": "*fp32", "bd_ptr": "*bf16", "bd_t_ptr": "*bf16",
-            "M": "i32", "K": "i32", "stride_xm": "i32", "seed_ptr": "*i64", "seed_lo": "i32", "seed_hi": "i32",
+    dual = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "amax_t_ptr": "*fp32", "data_ptr": "*u8", "scales_ptr": "*u8",
+            "bd_ptr": "*bf16", "data_t_ptr": "*u8", "scales_t_ptr": "*u8", "bd_t_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32", "seed_ptr": "*i64", "seed_lo": "i32", "seed_hi": "i32",
             "seed_t_ptr": "*i64", "seed_t_lo": "i32", "seed_t_hi": "i32", "SR": "constexpr", "MIX": "constexpr",
             "SR_T": "constexpr", "MIX_T": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-            "K_FIRST": "constexpr", "E4M3": "constexpr"}
+            "K_FIRST": "constexpr", "E4M3": "constexpr", "FAKE": "constexpr"}
     cfg = tk.CONFIGS["dual_quantize"]
     specs["dual_sr_fake"] = (tk.rht._dual_quantize_kernel, dual, dict(
         SR=1, MIX=0, SR_T=1, MIX_T=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], K_FIRST=k_first("dual_quantize"),
-        E4M3=e4m3),
+        E4M3=e4m3, FAKE=1),
         "dual_quantize")
     if extra:
         cfg = tk.CONFIGS["quantize_tiles"]
