@@ -29,6 +29,7 @@ import math
 import torch
 
 from fp4compile import formats, reference
+from fp4compile.tables import columns
 
 __all__ = ["QuantStats", "SLOTS", "STATS", "record_stats", "reduce_rows", "table"]
 
@@ -138,6 +139,4 @@ def table(rows: list[dict]) -> str:
     header = ["site", "role", "operand", "rel. error", "zeros", "sat. blocks", "underflow blocks", "amax"]
     body = [[r["site"], r["role"], r["operand"], f"{r['relative_error']:.4f}", f"{r['zero_fraction']:.4f}",
              f"{r['scale_saturated']:.4f}", f"{r['scale_underflow']:.4f}", f"{r['amax']:.4g}"] for r in rows]
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
-    line = lambda cells: "  ".join(str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, body)])
+    return "\n".join(columns([header, *body], right=lambda column, _: column >= 3))

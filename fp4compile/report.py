@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from fp4compile import ops, traffic
+from fp4compile.tables import columns
 from fp4compile.vocabulary import LINEAR_TARGETS, MATMUL_TARGETS, module_path
 from fp4compile.recipe import HIGH, Recipe
 from fp4compile.sites import ROLES, CompileContext, GemmSite, StageGraph, copy_graph, symbols
@@ -75,13 +76,6 @@ def _role_cell(info) -> str:
         return "-"
     tag = info.precision if info.precision != HIGH else "high"
     return tag + ("+rht" if info.rht else "") + ("+sr" if "sr" in info.rounding else "")
-
-
-def _columns(rows: list[tuple]) -> list[str]:
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
 
 
 class Report:
@@ -222,7 +216,7 @@ class Report:
             cells = [_role_cell(s.roles.get(role)) for role in ROLES]
             name = s.name if s.experts is None else f"{s.name} [{s.experts} experts, {s.form}]"
             rows.append((name, block, shape_text, *cells, s.kernel or "-", s.reason))
-        lines = _columns(rows)
+        lines = columns(rows)
         lines += [f"fallback: {f}" for f in self.fallbacks]
         lines += [f"warning: {w}" for w in self.warnings]
         lines += [f"kernel {name} ({n} GEMMs): {reason}" for (name, reason), n in sorted(self.kernels().items())]

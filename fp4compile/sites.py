@@ -252,8 +252,9 @@ class StageGraph:
         self._class_name = type(gm).__name__
         self._code: Optional[str] = None
 
-    def _graph(self) -> torch.fx.Graph:
-        """The recorded graph, built as ``copy_graph`` copies one (the output node without metadata)."""
+    def graph(self) -> torch.fx.Graph:
+        """The recorded graph, built anew at each call as ``copy_graph`` copies one (the output node
+        without metadata; node metadata copied shallowly when the pass ran)."""
         graph = torch.fx.Graph()
         nodes: dict = {}
         node_of = lambda a: nodes[a.name] if isinstance(a, _NodeRef) else a  # noqa: E731
@@ -270,9 +271,8 @@ class StageGraph:
     @property
     def code(self) -> str:
         if self._code is None:
-            module = torch.fx.GraphModule(self._attrs, self._graph(), class_name=self._class_name)
+            module = torch.fx.GraphModule(self._attrs, self.graph(), class_name=self._class_name)
             self._code = module.print_readable(print_output=False)
-            self._nodes = self._attrs = None
         return self._code
 
     def __repr__(self) -> str:
@@ -299,9 +299,6 @@ class CompileContext:
         self.total_blocks: Optional[int] = None  # the whole model's number of blocks, where stated
         self.graphs: list[StageGraph] = []
         self.final_graphs: dict[str, torch.fx.Graph] = {}  # stage -> graph after the latest pass
-        # stage -> the graph before ``lower_kernels`` put the fp4 ops' kernels into it, where it did: the
-        # fp4 op nodes that run (``fp4compile.traffic``).
-        self.op_graphs: dict[str, torch.fx.Graph] = {}
         self.fallbacks: list[str] = []
         # The backend's quantization statistics (``fp4compile.quant_stats``) where this graph records them
         # (``Backend.collect_stats``); else None.

@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from fp4compile.sites import ROLES, CompileContext, bound_arguments
+from fp4compile.tables import columns
 
 __all__ = ["Cost", "TrafficRow", "NodeTraffic", "COSTS", "EMULATED_GEMM", "GRAPH", "gemm_only", "node_traffic",
            "rows", "table"]
@@ -308,10 +309,16 @@ def _value(arg):
 
 
 def _graph(ctx: CompileContext, stage: str) -> Optional[fx.Graph]:
-    """The graph whose fp4 op nodes run: before ``lower_kernels`` put their kernels into it, where it
-    did (``CompileContext.op_graphs``), else the final one; nodes the lowering added (``fp4.sr_base``)
-    come from the final graph."""
-    return ctx.op_graphs.get(stage, ctx.final_graphs.get(stage))
+    """The graph whose fp4 op nodes run: its snapshot before ``lower_kernels`` (which may put their
+    kernels into it), without the nodes nothing reads, as the final graph is; else the final graph.
+    Nodes the lowering adds (``fp4.sr_base``) come from the final graph."""
+    snapshots = [g for g in ctx.graphs if g.stage == stage]
+    lowered = [i for i, g in enumerate(snapshots) if g.pass_name == "lower_kernels"]
+    if not lowered or lowered[-1] == 0:
+        return ctx.final_graphs.get(stage)
+    graph = snapshots[lowered[-1] - 1].graph()
+    graph.eliminate_dead_code()
+    return graph
 
 
 def node_traffic(ctx: CompileContext) -> list[NodeTraffic]:
@@ -324,8 +331,8 @@ def node_traffic(ctx: CompileContext) -> list[NodeTraffic]:
             continue
         chosen = {name: impl for s, name, _op, impl, _why in ctx.kernels if s == stage}
         nodes = list(graph.nodes)
-        if stage in ctx.op_graphs:  # nodes the lowering added
-            nodes += [n for n in ctx.final_graphs[stage].nodes if _fp4_op(n) == "sr_base"]
+        if graph is not ctx.final_graphs.get(stage):  # nodes the lowering added
+            nodes += [n for n in ctx.final_graphs.get(stage, fx.Graph()).nodes if _fp4_op(n) == "sr_base"]
         order = {n: i for i, n in enumerate(nodes)}
         for node in nodes:
             op = _fp4_op(node)
@@ -342,14 +349,19 @@ def node_traffic(ctx: CompileContext) -> list[NodeTraffic]:
 
 def rows(contexts: list[CompileContext]) -> list[TrafficRow]:
     """Per site and role (sites in the graphs' order, then "(graph)"), the summed cost of its nodes."""
+    return _rows(contexts, [node_traffic(ctx) for ctx in contexts])
+
+
+def _rows(contexts: list[CompileContext], costed: list[list[NodeTraffic]]) -> list[TrafficRow]:
+    """``rows`` from each context's ``node_traffic``."""
     sums: dict[tuple[str, str], Cost] = {}
-    for ctx in contexts:
+    for ctx, items in zip(contexts, costed):
         for site in ctx.sites:
             for role in ROLES:
                 key = (site.name, role)
                 if role in site.roles and site.roles[role].precision != "high":
                     sums.setdefault(key, Cost())
-        for item in node_traffic(ctx):
+        for item in items:
             if item.cost is not None:
                 key = (item.site, item.role)
                 sums[key] = sums.get(key, Cost()) + item.cost
@@ -360,26 +372,17 @@ def rows(contexts: list[CompileContext]) -> list[TrafficRow]:
 
 def table(contexts: list[CompileContext]) -> str:
     """``rows`` as text, with a total row, then a line per op and implementation not modelled."""
-    found = rows(contexts)
+    costed = [node_traffic(ctx) for ctx in contexts]
+    found = _rows(contexts, costed)
     total = sum((Cost(r.launches, r.gemm_launches, r.bytes_read, r.bytes_written) for r in found), Cost())
     head = ("site", "role", "launches", "GEMM launches", "bytes read", "bytes written")
     body = [(r.site, r.role or "-", r.launches, r.gemm_launches, r.bytes_read, r.bytes_written) for r in found]
-    lines = _columns([head, *body, ("total", "", *dataclasses.astuple(total))])
+    lines = columns([head, *body, ("total", "", *dataclasses.astuple(total))], right=lambda _, cell: isinstance(cell, int),
+                    total=True)
     unmodelled: dict = {}
-    for ctx in contexts:
-        for item in node_traffic(ctx):
+    for items in costed:
+        for item in items:
             if item.cost is None:
                 unmodelled[(item.op, item.implementation)] = unmodelled.get((item.op, item.implementation), 0) + 1
     lines += [f"not modelled: {op} by {impl} ({n} nodes)" for (op, impl), n in sorted(unmodelled.items())]
     return "\n".join(lines)
-
-
-def _columns(rows_: list[tuple]) -> list[str]:
-    """Left-aligned text columns, numbers right-aligned, a rule under the header and above the last row."""
-    widths = [max(len(str(r[i])) for r in rows_) for i in range(len(rows_[0]))]
-
-    def line(r):
-        return "  ".join(str(c).rjust(w) if isinstance(c, int) else str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return [line(rows_[0]), rule, *(line(r) for r in rows_[1:-1]), rule, line(rows_[-1])]

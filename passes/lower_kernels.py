@@ -20,9 +20,8 @@ table chose another implementation (the tensor is not on a CUDA device, Triton's
 do not take the shape; the reason says which declined and why); the inner compiler is not Inductor;
 in-graph kernels are off; the op checks its output for non-finite values (``check`` label: a read back
 to the host); a size is symbolic. ``ctx.kernels`` records each node's implementation ("in-graph
-triton" where its kernels are in Inductor's code) and the reason; the report shows them. Where it puts
-kernels into a graph, ``ctx.op_graphs`` keeps the graph as it was before, with its fp4 op nodes
-(``Report.traffic`` costs them).
+triton" where its kernels are in Inductor's code) and the reason; the report shows them
+(``Report.traffic`` costs the fp4 op nodes of the graph's snapshot before this pass).
 
 Inductor works out which buffers a Triton kernel in its graph writes by compiling the kernel to TTIR and
 walking it, at every launch site and several times per site (functionalization, its graph lowering, its
@@ -54,7 +53,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from fp4compile import config, executors, runtime
 from fp4compile.contracts import broken, contract
-from fp4compile.sites import CompileContext, bound_arguments, copy_graph
+from fp4compile.sites import CompileContext, bound_arguments
 from fp4compile.vocabulary import RECORD_AMAX, SR_BASE
 
 KERNEL_OPS = {
@@ -387,7 +386,6 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     traces: dict = {}
     changed = False
     stage = ctx.stage
-    before = copy_graph(gm.graph) if inductor else None  # its fp4 op nodes, for the report's traffic
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is RECORD_AMAX and inductor and config.in_graph_kernels:
             _record_amax_in_graph(gm, node)
@@ -414,5 +412,4 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     keys.finish()
     if changed:
         gm.graph.eliminate_dead_code()  # the traced kernels' unused outputs
-        ctx.op_graphs[stage] = before
     return gm
