@@ -397,7 +397,7 @@ def _check_packed(spec: GemmSpec) -> tuple[bool, str]:
     if config.emulated_gemm != "packed":
         return False, (f"FP4COMPILE_EMULATED_GEMM={config.emulated_gemm}: emulated GEMMs read decoded operands "
                        "(packed: one Triton kernel reads the packed operands)")
-    ok, why = _dispatch().check_packed_gemm(spec.device)
+    ok, why = _dispatch().check_kernels()
     return ok, ("one Triton kernel reads the packed operands and decodes them in registers" if ok else why)
 
 

@@ -23,6 +23,15 @@ from fp4compile.sites import CompileContext, bound_arguments
 from fp4compile.vocabulary import RECORD_STATS, output_item
 
 
+def _last(q: fx.Node, items: list) -> fx.Node:
+    """The last of ``items`` (readers of ``q``, so after it) in graph order: a walk from ``q``."""
+    left, node = set(items), q
+    while left:
+        node = node.next
+        left.discard(node)
+    return node
+
+
 def _ensures_recorded(gm: fx.GraphModule, ctx: CompileContext) -> None:
     if any("fp4_stats" in n.meta for n in gm.graph.nodes):
         broken("a quantize node still carries its statistics buffer in meta['fp4_stats']")
@@ -43,9 +52,8 @@ def record_stats(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if slot in (0, 1) and ctx.stage != "forward":  # fprop's quantizers, recomputed in the backward
             continue
         parts = [output_item(gm, q, i) for i in range(3)]
-        order = {n: i for i, n in enumerate(gm.graph.nodes)}
         block, quantizer = q.meta["fp4_quantize"]["block"], bound_arguments(q)
-        with gm.graph.inserting_after(max(parts, key=order.__getitem__)):
+        with gm.graph.inserting_after(_last(q, parts)):
             node = gm.graph.call_function(
                 RECORD_STATS, (buffer, slot, quantizer["x"], *parts, block, quantizer["scale_rule"]))
         node.meta["val"] = None

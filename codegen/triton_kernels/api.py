@@ -514,8 +514,7 @@ def packed_scaled_mm(
         if scales.numel() != _scales_bytes(rows, cols, swizzled):
             raise ValueError(f"packed_scaled_mm: {name}'s scales hold {scales.numel()} bytes; [{rows}, {cols}] "
                              f"(swizzled={swizzled}) needs {_scales_bytes(rows, cols, swizzled)}")
-    amax_a = amax_a.detach().to(a.device, torch.float32).reshape(1)
-    amax_b = amax_b.detach().to(a.device, torch.float32).reshape(1)
+    amax_a, amax_b = _amax_arg(amax_a, a.device), _amax_arg(amax_b, a.device)
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out

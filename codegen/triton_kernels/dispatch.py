@@ -49,13 +49,21 @@ def _own_amax(outputs: tuple, amax: Optional[torch.Tensor]) -> tuple:
     return outputs if amax is None else (*outputs[:-1], outputs[-1].clone())
 
 
+def check_kernels() -> tuple[bool, str]:
+    """Whether the Triton kernels can run here (a CUDA device, or Triton's interpreter), and why
+    not: every op's check asks it, as does the executor table's ``scaled_mm`` check of the FP4-operand
+    GEMM."""
+    ok, why = available()
+    return (True, why) if ok else (False, f"the Triton kernels cannot run here ({why})")
+
+
 def _operand(x: torch.Tensor, multiple: int) -> tuple[bool, str]:
     """Whether the kernels read ``x`` (rows of ``multiple``-element blocks) on this device."""
     if not x.is_cuda:
         return False, f"its input is on {x.device.type}, not CUDA"
-    ok, why = available()
+    ok, why = check_kernels()
     if not ok:
-        return False, f"the Triton kernels cannot run here ({why})"
+        return False, why
     if x.dtype not in _INPUT_DTYPES:
         return False, f"a {x.dtype} input (the kernels read float32, bfloat16 and float16)"
     if x.dim() < 2 or x.numel() == 0:
@@ -189,8 +197,8 @@ def wgrad_amax(x, size) -> tuple[torch.Tensor, torch.Tensor]:
 def _packed(data: torch.Tensor) -> tuple[bool, str]:
     if not data.is_cuda:
         return False, f"its input is on {data.device.type}, not CUDA"
-    ok, why = available()
-    return (True, "") if ok else (False, f"the Triton kernels cannot run here ({why})")
+    ok, why = check_kernels()
+    return (True, "") if ok else (False, why)
 
 
 def check_transpose_quantized(data, scales, layout=None) -> tuple[bool, str]:
@@ -240,12 +248,6 @@ def check_cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6") -> t
 
 def cublaslt_mm(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6") -> torch.Tensor:
     return cublaslt_scaled_mm(a, a_amax, b, b_amax, out_dtype, scale_rule)
-
-
-def check_packed_gemm(device) -> tuple[bool, str]:
-    """Whether the FP4-operand GEMM can run on ``device`` (the executor table's ``scaled_mm`` check)."""
-    ok, why = available()
-    return (True, why) if ok else (False, f"the Triton kernels cannot run here ({why})")
 
 
 def check_packed_mm(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule="6", b_kn=False) -> tuple[bool, str]:
