@@ -15,12 +15,15 @@ pass over the operand instead of two (an amax pass, then the quantizing pass):
   ``fp4_quantize_rht`` for dY^T);
 - any other 1x16 operand whose producer Inductor compiles into a kernel of its own making (a layer
   norm, an activation function, a residual sum: anything but a graph input, a GEMM, attention or an
-  ``fp4`` op) gets ``amax(abs(x))`` in the graph: a reduction whose first stage Inductor computes in
-  the producer's kernel, so x is not read again for it. (A row max, then a max over the rows, also
-  fuses, but measured slower: three kernels instead of two.) Only float32 operands: Inductor computes a
-  bf16 or fp16 tensor in float32 inside the fused kernel, unrounded, so that amax could differ from the
-  stored tensor's (under autocast, with the bf16 cast of a LayerNorm output, the step's bits changed on
-  the H200); under autocast the X operands are bf16 and keep their own pass.
+  ``fp4`` op) gets its amax in the graph: a reduction whose first stage Inductor computes in the
+  producer's kernel, so x is not read again for it. (A row max, then a max over the rows, also fuses,
+  but measured slower: three kernels instead of two.) A float32 x takes ``amax(abs(x))``. A bf16 or
+  fp16 x takes the maximum of its bit patterns with the sign bit cleared, read back as a float: inside
+  the fused kernel Inductor holds a bf16 or fp16 result in float32, unrounded, so ``amax(abs(x))``
+  there could differ from the amax of the stored tensor (under autocast, with the bf16 cast of a
+  LayerNorm output, the step's bits changed on the H200); a bitcast needs the stored bits, so Inductor
+  rounds the value to x's dtype first, and for non-negative floats of one format the order of the bit
+  patterns is the order of the values (a NaN's patterns lie above infinity's, so a NaN still wins).
 
 The amax is exact (a maximum, no rounding), so codes, scales and amax keep their bits. Quantizers with
 an amax already (X and RHT(X^T) of a linear whose forward shares X's amaxes: ``plan_sharing``),
@@ -78,14 +81,15 @@ def _behind_views(node: fx.Node) -> fx.Node:
     return node
 
 
+LOW_PRECISION = {torch.bfloat16: torch.int16, torch.float16: torch.int16}  # -> the integer type of its bits
+
+
 def producer_is_fusible(x: fx.Node) -> bool:
     """Whether Inductor computes ``x`` (through views) in a kernel of its own that can take a reduction
-    giving exactly the amax of ``x`` as stored: ``x`` must be float32. Inductor computes bf16 and fp16
-    values in float32 inside a kernel and does not round them to their dtype there (a cast, a product, a
-    sum), so a reduction fused into the producer of a bf16 ``x`` would see the values before their
-    rounding, and its amax could differ from that of the tensor the quantizer reads."""
+    giving exactly the amax of ``x`` as stored: a float32, bf16 or fp16 ``x`` whose producer is an ATen
+    or prims op Inductor generates code for (not a graph input, a library call or an opaque kernel)."""
     val = example_tensor(x)
-    if val is None or val.dtype != torch.float32:
+    if val is None or (val.dtype != torch.float32 and val.dtype not in LOW_PRECISION):
         return False
     node = _behind_views(x)
     if not isinstance(node, fx.Node) or node.op != "call_function":
@@ -135,19 +139,27 @@ def _call(graph: fx.Graph, target, args, val) -> fx.Node:
 
 
 def _producer_amax(gm: fx.GraphModule, q: fx.Node) -> fx.Node:
-    """amax(abs(x)) over all dims as fp32, inserted before ``q``: Inductor splits the reduction and
-    computes its first stage in x's producer kernel."""
+    """x's amax as a float32 0-dim node, inserted before ``q``, as a reduction Inductor splits and whose
+    first stage it computes in x's producer kernel: ``amax(abs(x))`` for float32; for bf16 and fp16 the
+    largest bit pattern with the sign bit cleared, bitcast back and widened (exact, and computed from x
+    rounded to its dtype: see the module's docstring)."""
     x = bound_arguments(q)["x"]
     val = x.meta["val"]
     g = gm.graph
     dims = list(range(val.dim()))
+
+    def call(target, *args):
+        node_args = fx.map_arg(args, lambda n: n.meta["val"])
+        return _call(g, target, args, target(*node_args))
+
     with g.inserting_before(q):
-        a = _call(g, aten.abs.default, (x,), aten.abs.default(val))
-        out = _call(g, aten.amax.default, (a, dims), aten.amax.default(a.meta["val"], dims))
-        if val.dtype != torch.float32:
-            out = _call(g, torch.ops.prims.convert_element_type.default, (out, torch.float32),
-                        out.meta["val"].to(torch.float32))
-    return out
+        if val.dtype == torch.float32:
+            return call(aten.amax.default, call(aten.abs.default, x), dims)
+        bits = call(aten.view.dtype, x, LOW_PRECISION[val.dtype])
+        magnitude = call(aten.bitwise_and.Scalar, bits, 0x7FFF)
+        largest = call(aten.amax.default, magnitude, dims)
+        return call(torch.ops.prims.convert_element_type.default, call(aten.view.dtype, largest, val.dtype),
+                    torch.float32)
 
 
 def _row_major(node: fx.Node) -> bool:

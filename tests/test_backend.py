@@ -524,6 +524,49 @@ def test_decoded_operands_follow_cuda_graphs_unless_set():
 
 
 @pytest.mark.slow
+def test_fuse_amax_of_bf16_operands_through_inductor_keeps_the_bits(monkeypatch):
+    """Under autocast each X is a bf16 tensor (LayerNorm's output cast, GELU's output): ``fuse_amax``
+    (forced here on the CPU) gives its quantizer the amax of its stored bits, a reduction Inductor fuses
+    into the producer's kernel, and the step keeps the bits of each quantizer's own amax pass (no RHT:
+    with it, X's amaxes come from one fp4.wgrad_amax read instead)."""
+    from fp4compile import vocabulary
+    from fp4compile.passes import fuse_amax as amax_module
+
+    class NormMLP(nn.Module):
+        def __init__(self, d=64):
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.blocks = nn.ModuleList([nn.Linear(d, 4 * d), nn.Linear(4 * d, d)])
+
+        def forward(self, x):
+            return self.blocks[1](nn.functional.gelu(self.blocks[0](self.norm(x))))
+
+    torch.manual_seed(0)
+    state = NormMLP().state_dict()
+    x = torch.randn(2, 32, 64) * 3
+    results, sources = [], []
+    for forced in (False, True):
+        torch._dynamo.reset()
+        if forced:
+            monkeypatch.setattr(amax_module, "applies", lambda node: True)
+            monkeypatch.setattr(vocabulary, "separate_amax_costs_a_read", lambda val: True)
+        fp4compile.manual_seed(3)
+        model = NormMLP()
+        model.load_state_dict(state)
+        backend = Backend(high_precision_first_blocks=0, high_precision_last_blocks=0, rht=False)
+        xd = x.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16):
+            y = torch.compile(model, backend=backend)(xd)
+        y.float().square().sum().backward()
+        results.append([y.detach(), xd.grad] + [p.grad for p in model.parameters()])
+        forward = backend.report.graph("forward", "fuse_amax")
+        sources.append((forward.count("aten.bitwise_and.Scalar("), forward.count("aten.amax.default(")))
+    assert sources == [(0, 0), (2, 2)]  # forced: both X operands (bf16) take the bit-pattern amax
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
 def test_fuse_amax_through_inductor_keeps_the_bits(monkeypatch):
     """The amax nodes ``fuse_amax`` adds (applied on CUDA; forced here on the CPU) compile with Inductor and
     give the training step the bits it has with each quantizer's own amax pass."""

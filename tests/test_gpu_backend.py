@@ -142,13 +142,13 @@ class NormMLP(torch.nn.Module):
         return self.blocks[1](torch.nn.functional.gelu(self.blocks[0](self.norm(x))))
 
 
-@pytest.mark.parametrize("decoded,autocast,rht", [(False, True, True), (True, True, True), (True, False, True), (True, False, False)])
+@pytest.mark.parametrize("decoded,autocast,rht", [(False, True, True), (True, True, True), (True, False, True), (True, False, False), (False, True, False), (True, True, False)])
 def test_gpu_fuse_amax_keeps_the_bits(fresh_dynamo, monkeypatch, decoded, autocast, rht):
     """On CUDA each linear's forward computes X's two amaxes in one wgrad_amax read (fprop's, and wgrad's
     after the RHT, which the backward keeps), and ``fuse_amax`` gives dY one wgrad_amax read for both of
-    its quantizations; without the RHT, a float32 X takes its amax from the producer (under autocast X
-    is a bf16 cast of the producer's output, which keeps its own pass). The step keeps the bits it has
-    with every quantizer's own amax pass."""
+    its quantizations; without the RHT, X takes its amax from the producer (under autocast X is a bf16
+    cast of the producer's output: the amax of its stored bits, where Inductor's fused kernel holds the
+    value unrounded). The step keeps the bits it has with every quantizer's own amax pass."""
     from fp4compile import vocabulary
     from fp4compile.passes import fuse_amax as amax_module
 
@@ -175,7 +175,8 @@ def test_gpu_fuse_amax_keeps_the_bits(fresh_dynamo, monkeypatch, decoded, autoca
         assert len(final) == 2
         assert ("fp4.wgrad_amax" in final[0]) == (on and rht)  # X's two amaxes in the forward
         assert ("fp4.wgrad_amax" in final[1]) == (on and rht)  # dY's
-        assert ("aten.amax" in final[0]) == (on and not autocast and not rht)
+        assert ("aten.amax" in final[0]) == (on and not rht)
+        assert ("aten.bitwise_and" in final[0]) == (on and autocast and not rht)
     for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)
 

@@ -469,22 +469,32 @@ def _amax_sources(graph):
     return sorted((m["operand"], m["amax"]) for m in metas)
 
 
+def _fused_against_own_passes(gm, example, ctx, monkeypatch):
+    """The graphs of a run with ``fuse_amax`` forced on (as on CUDA), after checking that its outputs and
+    gradients are the bits of the run where each quantizer makes its own amax pass."""
+    import fp4compile
+
+    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: True)  # as on CUDA: fp4.emulated_mm GEMMs
+    fp4compile.manual_seed(5)
+    _, y_ref, grads_ref = _run_with_grads(gm, example, ctx, LOWERED)
+    monkeypatch.setattr(amax_module, "applies", lambda node: True)
+    fp4compile.manual_seed(5)
+    graphs, y, grads = _run_with_grads(gm, example, ctx, LOWERED + [fuse_amax])
+    assert torch.equal(y, y_ref)
+    assert len(grads) == len(grads_ref) > 0
+    for g, g_ref in zip(grads, grads_ref):
+        assert torch.equal(g, g_ref)
+    return graphs
+
+
 @pytest.mark.parametrize("decoded", [False, True])
 def test_fuse_amax_gives_quantizers_their_amax_with_the_same_bits(marked, monkeypatch, decoded):
     """Where it applies (CUDA; forced here on the CPU): forward X operands take the amax from their producer,
     backward dY from one fp4.wgrad_amax shared with its wgrad twin; weights and X^T keep their own pass.
     Outputs and gradients keep their bits."""
     gm, example, ctx = marked
-    import fp4compile
-
-    passes = LOWERED  # as on CUDA: the GEMMs are fp4.emulated_mm either way
-    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: True)
     ctx.recipe = ctx.recipe.replace(decoded_operands=decoded)
-    fp4compile.manual_seed(5)
-    _, y_ref, grads_ref = _run_with_grads(gm, example, ctx, passes)
-    monkeypatch.setattr(amax_module, "applies", lambda node: True)
-    fp4compile.manual_seed(5)
-    graphs, y, grads = _run_with_grads(gm, example, ctx, passes + [fuse_amax])
+    graphs = _fused_against_own_passes(gm, example, ctx, monkeypatch)
     forward, backward = graphs["forward"], graphs["backward"]
     assert _amax_sources(forward) == [("W", "own pass")] * 4 + [("X", "producer")] * 4
     # W^T: the forward's quantization of W, transposed (Recipe(share_weight=True)), no quantizer here.
@@ -501,10 +511,50 @@ def test_fuse_amax_gives_quantizers_their_amax_with_the_same_bits(marked, monkey
     assert len(role_nodes(backward, F4.fake_dual_quantize.default)) == (4 if decoded else 0)
     assert len(role_nodes(backward, F4.dual_quantize.default)) == (0 if decoded else 4)
     assert not role_nodes(backward, F4.quantize.default)  # every dY quantizer went into a dual node
-    assert torch.equal(y, y_ref)
-    assert len(grads) == len(grads_ref) > 0
-    for g, g_ref in zip(grads, grads_ref):
-        assert torch.equal(g, g_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fuse_amax_gives_low_precision_operands_the_amax_of_their_stored_bits(monkeypatch, dtype):
+    """A bf16 or fp16 X takes its amax from its producer too, as the largest bit pattern with the sign bit
+    cleared (a bitcast: computed from the stored, rounded values), not as a float amax. Outputs and
+    gradients keep the bits of each quantizer's own amax pass."""
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    gm, example = capture(model, torch.randn(2, 16, 32, dtype=dtype))
+    ctx = CompileContext(Recipe(), 0)
+    for p in MARKING:
+        p(gm, ctx)
+    graphs = _fused_against_own_passes(gm, example, ctx, monkeypatch)
+    forward = graphs["forward"]
+    assert _amax_sources(forward) == [("W", "own pass")] * 4 + [("X", "producer")] * 4
+    bitcasts = [n for n in role_nodes(forward, torch.ops.aten.view.dtype) if n.args[1] is torch.int16]
+    assert len(bitcasts) == 4 and len(role_nodes(forward, torch.ops.aten.amax.default)) == 4
+    assert role_nodes(forward, torch.ops.aten.abs.default) == []
+
+
+def test_the_bit_pattern_amax_equals_the_float_amax():
+    """The low-precision producer amax over the values where bit order could go wrong: signed zeros,
+    subnormals, the largest finite values, infinities and NaN (which wins, as in torch.amax)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        info = torch.finfo(dtype)
+        special = torch.tensor([0.0, -0.0, info.tiny / 4, -info.tiny / 4, info.tiny, -info.max, info.max, 1.0, -3.5],
+                               dtype=dtype)
+        cases = [special, special[:2], torch.cat([special, torch.tensor([-float("inf")], dtype=dtype)]),
+                 torch.cat([special, torch.tensor([float("nan")], dtype=dtype)]), torch.randn(64, 48).to(dtype) * 100]
+        for x in cases:
+            g = fx.Graph()
+            inp = g.placeholder("x")
+            inp.meta["val"] = x
+            q = g.call_function(F4.quantize.default, (inp, "nvfp4", "1x16", "rne", 0, ""))
+            gm = fx.GraphModule(torch.nn.Module(), g)
+            amax = amax_module._producer_amax(gm, q)
+            g.erase_node(q)
+            g.output(amax)
+            gm.recompile()
+            got = gm(x)
+            want = x.float().abs().amax()
+            assert got.dtype == torch.float32 and got.shape == ()
+            assert torch.equal(got, want) or (got.isnan() and want.isnan()), (dtype, x)
 
 
 @pytest.mark.parametrize("decoded", [False, True])
@@ -512,20 +562,11 @@ def test_fuse_amax_keeps_the_pair_apart_where_the_one_launch_kernel_declines(mar
     """Under the 4/6 block scale rule the dual kernel declines (it has no such rule): dY's two quantizers
     share the wgrad_amax read but stay two nodes, each a kernel of its own, with the same bits."""
     gm, example, ctx = marked
-    import fp4compile
-
-    monkeypatch.setattr(gemms_module, "decodes_on", lambda device: True)
     ctx.recipe = ctx.recipe.replace(decoded_operands=decoded, block_scale_rule="4/6")
-    fp4compile.manual_seed(5)
-    _, y_ref, grads_ref = _run_with_grads(gm, example, ctx, LOWERED)
-    monkeypatch.setattr(amax_module, "applies", lambda node: True)
-    fp4compile.manual_seed(5)
-    graphs, y, grads = _run_with_grads(gm, example, ctx, LOWERED + [fuse_amax])
+    graphs = _fused_against_own_passes(gm, example, ctx, monkeypatch)
     backward = graphs["backward"]
     assert len(role_nodes(backward, F4.wgrad_amax.default)) == 4
     assert not role_nodes(backward, F4.dual_quantize.default) + role_nodes(backward, F4.fake_dual_quantize.default)
-    assert torch.equal(y, y_ref)
-    assert all(torch.equal(g, g_ref) for g, g_ref in zip(grads, grads_ref)) and len(grads) == len(grads_ref) > 0
 
 
 @pytest.mark.parametrize("decoded", [False, True])
@@ -581,9 +622,8 @@ def test_fuse_amax_needs_cuda(marked):
 
 
 def test_fuse_amax_producer_rule():
-    """Only float32 tensors whose producers Inductor compiles into its own kernels take the amax nodes;
-    graph inputs, GEMMs, attention, fp4 ops and bf16 / fp16 tensors do not (they keep the quantizer's
-    amax pass)."""
+    """Only floating-point tensors whose producers Inductor compiles into its own kernels take the amax
+    nodes; graph inputs, GEMMs, attention and fp4 ops do not (they keep the quantizer's amax pass)."""
     g = fx.Graph()
     aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -609,8 +649,8 @@ def test_fuse_amax_producer_rule():
     q = g.call_function(F4.quantize.default, (x, "nvfp4", "1x16", "rne", 0, ""))
     codes = g.call_function(operator.getitem, (q, 0))
     # A cast is a pointwise op Inductor fuses, not a convolution for all that its name starts with "conv".
-    # But bf16 / fp16 results stop the fusion, a cast's or any other op's (a residual sum): inside the fused
-    # kernel Inductor holds them in float32, unrounded, and the amax could differ from the stored tensor's.
+    # bf16 / fp16 results fuse too, a cast's or any other op's (a residual sum): their amax is taken from
+    # the stored bits (see the bit-pattern tests); integer results do not.
     cast = node(prims.convert_element_type.default, (ln_out, torch.bfloat16), torch.bfloat16)
     wide = node(prims.convert_element_type.default, (cast, torch.float32))
     copy = node(aten._to_copy.default, (ln_out,), torch.float16, {"dtype": torch.float16})
@@ -618,8 +658,9 @@ def test_fuse_amax_producer_rule():
     conv = node(aten.convolution.default, (x, w, None, [1], [0], [1], False, [0], 1))
     scaled = node(aten._scaled_mm.default, (x, w, x, w))
     fusible = amax_module.producer_is_fusible
+    ints = node(aten.add.Tensor, (x, x), torch.int32)
     assert fusible(relu) and fusible(view(relu)) and fusible(ln_out) and fusible(wide) and fusible(view(wide))
-    assert not fusible(cast) and not fusible(view(cast)) and not fusible(copy) and not fusible(bf16_sum)
+    assert fusible(cast) and fusible(view(cast)) and fusible(copy) and fusible(bf16_sum) and not fusible(ints)
     assert not fusible(x) and not fusible(view(x)) and not fusible(mm) and not fusible(view(mm))
     assert not fusible(attn) and not fusible(codes) and not fusible(conv) and not fusible(scaled)
 
