@@ -24,6 +24,8 @@ pass over the operand instead of two (an amax pass, then the quantizing pass):
   LayerNorm output, the step's bits changed on the H200); a bitcast needs the stored bits, so Inductor
   rounds the value to x's dtype first, and for non-negative floats of one format the order of the bit
   patterns is the order of the values (a NaN's patterns lie above infinity's, so a NaN still wins).
+  Not where the graph runs eagerly (``Backend(inner="eager")``): there each op of the reduction is a
+  kernel of its own.
 
 The amax is exact (a maximum, no rounding), so codes, scales and amax keep their bits. Quantizers with
 an amax already (X and RHT(X^T) of a linear whose forward shares X's amaxes: ``plan_sharing``),
@@ -237,10 +239,13 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if (both_decoded or both_packed) and _one_launch_takes(partner, r, base):
             _make_dual(gm, partner, r, base, amaxes, first)
             dual += 1
+    # Run eagerly (``inner="eager"``), each op of the reduction would be a kernel of its own writing a
+    # full tensor: more traffic than the quantizer's own amax pass. Only a compiler fuses it.
+    fuses = getattr(ctx, "inner", None) != "eager"
     for q in rows:
         if q in taken:
             continue
-        if producer_is_fusible(_x(q)):
+        if fuses and producer_is_fusible(_x(q)):
             _give_amax(q, _producer_amax(gm, q), "producer")
             fused += 1
     for n in nvfp4:

@@ -532,6 +532,17 @@ def test_fuse_amax_gives_low_precision_operands_the_amax_of_their_stored_bits(mo
     assert role_nodes(forward, torch.ops.aten.abs.default) == []
 
 
+def test_fuse_amax_leaves_producers_alone_where_the_graph_runs_eagerly(marked, monkeypatch):
+    """With ``inner="eager"`` nothing fuses the reduction into the producer (each op would be a kernel of
+    its own): X keeps its quantizer's own amax pass, while dY still shares one fp4.wgrad_amax read."""
+    gm, example, ctx = marked
+    ctx.inner = "eager"
+    graphs = _fused_against_own_passes(gm, example, ctx, monkeypatch)
+    assert _amax_sources(graphs["forward"]) == [("W", "own pass")] * 4 + [("X", "own pass")] * 4
+    assert role_nodes(graphs["forward"], torch.ops.aten.amax.default) == []
+    assert len(role_nodes(graphs["backward"], F4.wgrad_amax.default)) == 4
+
+
 def test_the_bit_pattern_amax_equals_the_float_amax():
     """The low-precision producer amax over the values where bit order could go wrong: signed zeros,
     subnormals, the largest finite values, infinities and NaN (which wins, as in torch.amax)."""
