@@ -53,8 +53,9 @@ def kernel_specs(tk, arch: int = 90, extra: bool = False):
                 ITERS="constexpr", E4M3="constexpr")
     rht = dict(QUANT_ARGS, SR="constexpr", SWIZZLE="constexpr", FAKE="constexpr", PASS="constexpr",
                MIX="constexpr", BLOCK_M="constexpr", BLOCK_K="constexpr", K_FIRST="constexpr", E4M3="constexpr")
-    amax = {"x_ptr": "*bf16", "amax_x_ptr": "*i32", "amax_y_ptr": "*i32", "M": "i32", "K": "i32", "stride_xm": "i32",
-            "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "ITERS": "constexpr", "K_FIRST": "constexpr"}
+    amax = {"x_ptr": "*bf16", "acc_ptr": "*i32", "amax_x_ptr": "*i32", "amax_y_ptr": "*i32", "M": "i32",
+            "K": "i32", "stride_xm": "i32", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr", "ITERS": "constexpr",
+            "K_FIRST": "constexpr"}
     k_first = lambda key: int(bool(tk.CONFIGS[key].get("K_FIRST")))  # noqa: E731
     specs = {}
     for sr, name in ((0, "rne"), (1, "sr")):

@@ -7,10 +7,12 @@ arguments, so a CPU test can hold the counts of a change that adds or removes ke
 
 A cost has four numbers: the non-GEMM kernel launches, the GEMM launches, and the bytes the non-GEMM
 launches read and write (a GEMM's own reads and writes are not counted; the emulated GEMM's decode and
-epilogue kernels are non-GEMM kernels). Bytes are those of the tensors the kernels stream (inputs,
+epilogue kernels are non-GEMM kernels). The zero-fill of an amax accumulator (the int32 buffer an amax
+kernel's programs take their atomic maximum in) is a launch of its own: one per amax pass and per MXFP4
+quantizer, counted with the launches. Bytes are those of the tensors the kernels stream (inputs,
 codes, scales, decoded operands, an fp32 accumulator); 0-dim scalars (amaxes, alphas, seeds) are left
-out, as are the 4-byte initialisations of amax accumulators and copies of a given amax, which Inductor
-puts in small kernels of its own.
+out, as are the few bytes those fills write and the copies of a given amax, which Inductor puts in small
+kernels of its own.
 
 The cost of a node is looked up in ``COSTS`` by (op, implementation): the implementation is the executor
 table's choice recorded when the graph was compiled for a CUDA device (``CompileContext.kernels``;
@@ -125,13 +127,21 @@ def gemm_only(args: dict, out) -> Cost:
     return Cost(gemm_launches=1)
 
 
+_FILL = 1  # the launch that zero-fills an amax accumulator (its bytes left out)
+
+
 def _quantizer(args: dict, out) -> Cost:
     """``quantize``, ``rht_quantize`` and their decoding forms (``fake_``) by the Triton kernels: NVFP4
-    without a given amax runs an amax pass (``fp4.rht_quantize``'s: of the transformed operand) before the
-    quantizing pass, two reads of x; with one, the quantizing pass alone. MXFP4: one pass. Writes codes
-    and scales, or the decoded BF16 operand."""
-    passes = 1 if args["fmt"] == "mxfp4" or args.get("amax") is not None else 2
-    return Cost(passes, 0, passes * nbytes(args["x"]), _written(out))
+    without a given amax zero-fills its amax accumulator and runs an amax pass (``fp4.rht_quantize``'s: of
+    the transformed operand) before the quantizing pass, two reads of x; with one (the operand's own, as
+    the graphs give it: the quantizing pass takes it as it is), the quantizing pass alone. MXFP4: the fill
+    of the accumulator of the amax it reports, then one pass. Writes codes and scales, or the decoded
+    BF16 operand."""
+    if args["fmt"] == "mxfp4":
+        return Cost(_FILL + 1, 0, nbytes(args["x"]), _written(out))
+    if args.get("amax") is not None:
+        return Cost(1, 0, nbytes(args["x"]), _written(out))
+    return Cost(_FILL + 2, 0, 2 * nbytes(args["x"]), _written(out))
 
 
 def _dual_quantizer(args: dict, out) -> Cost:
@@ -147,8 +157,9 @@ def _dual_in_turn(args: dict, out) -> Cost:
 
 
 def _amax_pass(args: dict, out) -> Cost:
-    """``wgrad_amax``: one launch reads x (its results are two scalars)."""
-    return Cost(1, 0, nbytes(args["x"]), 0)
+    """``wgrad_amax``: one fill of the accumulators of both amaxes, then one launch reads x (its results
+    are two scalars)."""
+    return Cost(_FILL + 1, 0, nbytes(args["x"]), 0)
 
 
 def _packed_pass(args: dict, out) -> Cost:

@@ -51,24 +51,25 @@ def test_traffic_of_a_linear_compiled_for_cuda(for_cuda):
     assert {site for site, _ in rows} == {"layers.1.fc", "layers.1.out"}
     m, n, k, f32 = TOKENS, 4 * D, D, 4  # layers.1.fc, float32 activations and weights
     codes = lambda rows, cols: rows * cols // 2 + rows * cols // 16  # noqa: E731  (packed codes + E4M3 scales)
-    # fprop: W [n, k] quantized 16x16 with its own amax pass (2 launches, 2 reads); one wgrad_amax read of X
-    # gives X's amaxes (for fprop and, saved, for wgrad's X^T); X quantized 1x16 in one pass; the amax
-    # history (16 floats) recorded (cat + copy); both operands decoded to BF16; the GEMM writes an fp32
-    # [m, n] accumulator that the epilogue kernel reads and writes as the fp32 output.
+    # fprop: W [n, k] quantized 16x16 with its own amax pass (the accumulator's zero-fill, the amax pass and
+    # the quantizing pass: 3 launches, 2 reads); one wgrad_amax read of X (after the fill of its
+    # accumulators) gives X's amaxes (for fprop and, saved, for wgrad's X^T); X quantized 1x16 in one pass;
+    # the amax history (16 floats) recorded (cat + copy); both operands decoded to BF16; the GEMM writes
+    # an fp32 [m, n] accumulator that the epilogue kernel reads and writes as the fp32 output.
     assert rows["layers.1.fc", "fprop"] == TrafficRow(
-        "layers.1.fc", "fprop", launches=2 + 1 + 1 + 2 + 2 + 1, gemm_launches=1,
+        "layers.1.fc", "fprop", launches=3 + 2 + 1 + 2 + 2 + 1, gemm_launches=1,
         bytes_read=2 * n * k * f32 + m * k * f32 + m * k * f32 + 2 * 16 * f32 + codes(m, k) + codes(n, k) + m * n * f32,
         bytes_written=codes(n, k) + codes(m, k) + 2 * 16 * f32 + 2 * m * k + 2 * n * k + m * n * f32,
     )
     assert _ops(report, "layers.1.fc", "fprop") == sorted(
         ["fp4.quantize", "fp4.quantize", "fp4.wgrad_amax", "fp4.record_amax", "fp4.decode_blocks", "fp4.decode_blocks",
          "fp4.emulated_mm"])
-    # dgrad: dX [m, k] = dY [m, n] W: one wgrad_amax read of dY (its two amaxes), one dual launch that
-    # reads dY once and writes it quantized 1x16 and, with the RHT, transposed for wgrad (counted here, with
-    # the dual node's dgrad label), dY and the stored W decoded (W^T is W read transposed: no packed
-    # transpose), the epilogue.
+    # dgrad: dX [m, k] = dY [m, n] W: one wgrad_amax read of dY (its two amaxes; fill and pass), one dual
+    # launch that reads dY once and writes it quantized 1x16 and, with the RHT, transposed for wgrad
+    # (counted here, with the dual node's dgrad label), dY and the stored W decoded (W^T is W read
+    # transposed: no packed transpose), the epilogue.
     assert rows["layers.1.fc", "dgrad"] == TrafficRow(
-        "layers.1.fc", "dgrad", launches=1 + 1 + 2 + 1, gemm_launches=1,
+        "layers.1.fc", "dgrad", launches=2 + 1 + 2 + 1, gemm_launches=1,
         bytes_read=m * n * f32 + m * n * f32 + codes(m, n) + codes(n, k) + m * k * f32,
         bytes_written=codes(m, n) + codes(n, m) + 2 * m * n + 2 * n * k + m * k * f32,
     )
@@ -83,7 +84,7 @@ def test_traffic_of_a_linear_compiled_for_cuda(for_cuda):
     # The table's total row is the sum of the rows.
     total = sum((Cost(r.launches, r.gemm_launches, r.bytes_read, r.bytes_written) for r in report.traffic()), Cost())
     # Two FP4 sites: the dual launch reads each dY once for dgrad and wgrad (fc's dY [64, 128], out's [64, 32]).
-    assert total == Cost(36, 6, 458496 - 4 * (64 * 128 + 64 * 32), 257280)
+    assert total == Cost(42, 6, 458496 - 4 * (64 * 128 + 64 * 32), 257280)
     last = report.traffic_table().splitlines()[-1].split()
     assert last == ["total", *map(str, (total.launches, total.gemm_launches, total.bytes_read, total.bytes_written))]
     assert "not modelled" not in report.traffic_table()
@@ -115,9 +116,10 @@ def test_a_graph_compiled_for_the_cpu_is_costed_as_cuda_runs_its_nodes():
     assert gemm.implementation == "emulation"
     assert gemm.cost == Cost(3, 1, (m * k // 2 + m * k // 16) + (n * k // 2 + n * k // 16) + 4 * m * n,
                              2 * m * k + 2 * n * k + 4 * m * n)
-    # Without the CUDA forms, every quantizer makes its own amax pass and dgrad reads W^T's packed transpose.
-    assert all(t.cost.launches == 2 for t in items if t.op in ("fp4.quantize", "fp4.rht_quantize"))
-    assert rows["layers.1.fc", "dgrad"].launches == 2 + 1 + 3
+    # Without the CUDA forms, every quantizer makes its own amax pass (after the fill of its accumulator)
+    # and dgrad reads W^T's packed transpose.
+    assert all(t.cost.launches == 3 for t in items if t.op in ("fp4.quantize", "fp4.rht_quantize"))
+    assert rows["layers.1.fc", "dgrad"].launches == 3 + 1 + 3
     # An implementation's entry decides its nodes' cost: an FP4 GEMM reading the packed operands itself.
     saved = traffic.COSTS["scaled_mm", "emulation"]
     try:
@@ -136,17 +138,19 @@ def test_the_fp4_operand_gemm_halves_the_launches(for_cuda, packed_on_cpu):
     rows = _rows(_report())
     m, n, k, f32 = TOKENS, 4 * D, D, 4
     codes = lambda rows, cols: rows * cols // 2 + rows * cols // 16  # noqa: E731
-    # fprop: W's amax pass and quantization, X's wgrad_amax and quantization, the amax record (cat, copy).
+    # fprop: W's amax pass and quantization, X's wgrad_amax and quantization (each amax pass after the
+    # zero-fill of its accumulator), the amax record (cat, copy).
     assert rows["layers.1.fc", "fprop"] == TrafficRow(
-        "layers.1.fc", "fprop", launches=2 + 1 + 1 + 2, gemm_launches=1,
+        "layers.1.fc", "fprop", launches=3 + 2 + 1 + 2, gemm_launches=1,
         bytes_read=2 * n * k * f32 + m * k * f32 + m * k * f32 + 2 * 16 * f32,
         bytes_written=codes(n, k) + codes(m, k) + 2 * 16 * f32,
     )
-    # dgrad: dY's wgrad_amax and the dual launch (dY 1x16 and RHT(dY^T) packed); wgrad: RHT(X^T) alone.
+    # dgrad: dY's wgrad_amax (fill and pass) and the dual launch (dY 1x16 and RHT(dY^T) packed); wgrad:
+    # RHT(X^T) alone.
     assert rows["layers.1.fc", "dgrad"] == TrafficRow(
-        "layers.1.fc", "dgrad", launches=2, gemm_launches=1, bytes_read=2 * m * n * f32,
+        "layers.1.fc", "dgrad", launches=3, gemm_launches=1, bytes_read=2 * m * n * f32,
         bytes_written=codes(m, n) + codes(n, m))
     assert rows["layers.1.fc", "wgrad"] == TrafficRow(
         "layers.1.fc", "wgrad", launches=1, gemm_launches=1, bytes_read=m * k * f32, bytes_written=codes(k, m))
     total = sum((Cost(r.launches, r.gemm_launches, r.bytes_read, r.bytes_written) for r in rows.values()), Cost())
-    assert (total.launches, total.gemm_launches) == (18, 6)  # 36 non-GEMM launches with decoded GEMMs
+    assert (total.launches, total.gemm_launches) == (24, 6)  # 42 non-GEMM launches with decoded GEMMs

@@ -1144,7 +1144,9 @@ def test_kernels_compile_for_hopper_with_whole_blocks_per_thread():
     # launch to 63.8. The packed 1x16 form now takes 4 tiles per program, loading the next before it
     # quantizes the one loaded: the count covers the first tile's loads and one pass of the loop
     # (25.8 RNE, 32.0 SR); the wgrad amax likewise (14.2, with its per-tile reduction gone). Packed 1x16
-    # RNE codes read off r * 2**-126 on the FMA pipe, and the pair signs from the bf16 words: 23.2.
+    # RNE codes read off r * 2**-126 on the FMA pipe, and the pair signs from the bf16 words: 23.2. The
+    # wgrad amax counts its programs with an atomic and the last one copies both maxima out of the one
+    # zero-filled accumulator buffer (32 instructions, run once per program of 4 tiles): 14.4 to 14.9.
     import subprocess
     import sys
 
@@ -1157,7 +1159,7 @@ def test_kernels_compile_for_hopper_with_whole_blocks_per_thread():
     assert out.returncode == 0, out.stderr[-3000:]
     per_element = {line.split()[0]: float(line.split()[-1]) for line in out.stdout.splitlines()[1:]}
     bounds = {"rows_rne": 24.5, "rht_rne": 40, "rows_sr": 34, "rht_sr": 45, "rows_rne_fake": 28, "rht_rne_fake": 37,
-              "dual_sr_fake": 67, "wgrad_amax": 14.5}
+              "dual_sr_fake": 67, "wgrad_amax": 15}
     assert set(per_element) == set(bounds), out.stdout
     for name, bound in bounds.items():
         assert per_element[name] <= bound, (name, per_element[name], out.stdout)

@@ -61,14 +61,18 @@ def _amax_bits(x2: torch.Tensor) -> torch.Tensor:
 
 
 def _rht_amax_bits(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 [1], int32 [1]): the bits of max |x| and of max |RHT(x^T)|, from one launch and one fill (the
+    kernel's accumulators and count in one zeroed buffer; the results, unfilled, are written by its last
+    program)."""
     cfg = CONFIGS["rht_amax"]
     m, k = x2.shape
-    out_x = torch.zeros(1, dtype=torch.int32, device=x2.device)
-    out_y = torch.zeros(1, dtype=torch.int32, device=x2.device)
+    acc = torch.zeros(3, dtype=torch.int32, device=x2.device)
+    out_x = torch.empty(1, dtype=torch.int32, device=x2.device)
+    out_y = torch.empty(1, dtype=torch.int32, device=x2.device)
     grid, order = _tiles(cfg, triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(k, cfg["BLOCK_K"] * cfg["ITERS"]))
     _launch(
         _rht_amax_kernel, grid,
-        x2, out_x, out_y, m, k, x2.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=cfg["ITERS"],
+        x2, acc, out_x, out_y, m, k, x2.stride(0), BLOCK_M=cfg["BLOCK_M"], BLOCK_K=cfg["BLOCK_K"], ITERS=cfg["ITERS"],
         **order, **_launch_options(cfg),
     )
     return out_x, out_y

@@ -163,7 +163,7 @@ if triton is not None:
 
     @_jit()
     def _rht_amax_kernel(
-        x_ptr, amax_x_ptr, amax_y_ptr, M, K, stride_xm,
+        x_ptr, acc_ptr, amax_x_ptr, amax_y_ptr, M, K, stride_xm,
         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, ITERS: tl.constexpr, K_FIRST: tl.constexpr = False,
     ):
         """Atomic max of |x| and |RHT(x^T)| bits; each program takes ITERS tiles along K, loading the next
@@ -173,7 +173,11 @@ if triton is not None:
         The maxima are float maxima that propagate NaN, whose bits (an NaN's above Inf's) the atomics
         compare as integers. The RHT values are rounded to x's dtype once, at the end: rounding to
         nearest is monotone and symmetric, so the largest rounded |y| is the rounded largest |y| (NaN
-        stays NaN)."""
+        stays NaN).
+
+        acc_ptr: int32 [3], zero-filled: the two maxima and the count of programs done. The last program
+        to finish copies the maxima to amax_x_ptr and amax_y_ptr, so that the two results are tensors of
+        their own (an op's outputs may not share memory) with one fill for the launch, not one each."""
         pid_m, k_group = _tile_ids(K_FIRST)
         x_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.float32)
         y_acc = tl.zeros((BLOCK_M // 16, BLOCK_K), tl.float32)
@@ -201,8 +205,14 @@ if triton is not None:
             y_acc = _max_nan(y_acc, _absmax16(c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15))
         x_max = tl.reduce(tl.reduce(x_acc, 1, _max_nan), 0, _max_nan)
         y_max = tl.reduce(tl.reduce(y_acc, 1, _max_nan), 0, _max_nan)
-        tl.atomic_max(amax_x_ptr, x_max.to(tl.int32, bitcast=True))
-        tl.atomic_max(amax_y_ptr, _round_to(y_max, x_ptr.dtype.element_ty).to(tl.int32, bitcast=True))
+        tl.atomic_max(acc_ptr, x_max.to(tl.int32, bitcast=True))
+        tl.atomic_max(acc_ptr + 1, _round_to(y_max, x_ptr.dtype.element_ty).to(tl.int32, bitcast=True))
+        # The count's atomic (acquire-release) orders this program's maxima before it, so the last program
+        # to count sees every program's; its volatile loads read the totals past the L1 cache.
+        done = tl.atomic_add(acc_ptr + 2, 1)
+        if done == tl.num_programs(0) * tl.num_programs(1) - 1:
+            tl.store(amax_x_ptr, tl.load(acc_ptr, volatile=True))
+            tl.store(amax_y_ptr, tl.load(acc_ptr + 1, volatile=True))
 
     @_jit()
     def _rht_code(y, factor, keep, rand, sf, SR: tl.constexpr, FAKE: tl.constexpr, MX: tl.constexpr):
