@@ -4,7 +4,8 @@ Each variant runs in its own process with fresh Inductor and Triton caches, as i
 For the first training step it prints the forward call (Dynamo's trace, AOT autograd, fp4compile's
 passes, the forward graph's compile and first run), the backward (the backward graph's compile and
 first run) and the optimizer step, and TorchDynamo's compile metrics summed over the graphs
-(``torch._dynamo.utils.compilation_time_metrics``).
+(``torch._dynamo.utils.compilation_time_metrics``), and the time fp4compile's passes took (``passes``:
+summed over every graph and stage, the report's ``pass_seconds``; 0 for the BF16 arms).
 
 ``--prewarm`` also runs each nvfp4 variant with a Triton cache that holds fp4compile's kernels and
 nothing else, compiled beforehand by the same model under ``Backend(inner="eager")`` (which compiles no
@@ -59,7 +60,7 @@ METRICS = (
 
 
 # A start's own figures, given as their median over the repeats.
-MEDIAN_FIGURES = ("first_step_s", "forward_call_s", "backward_s", "gc_s", "process_cpu_s", "peak_rss_mib")
+MEDIAN_FIGURES = ("first_step_s", "forward_call_s", "backward_s", "gc_s", "process_cpu_s", "peak_rss_mib", "passes_s")
 
 
 class GCTimer:
@@ -112,10 +113,13 @@ def _first_step(variant: str, d_model: int, n_layer: int, batch: int, device: st
     gc.callbacks.remove(collector)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     metrics = torch._dynamo.utils.compilation_time_metrics
+    report = getattr(s["backend"], "report", None)  # fp4compile.Backend's; the BF16 arms run none of its passes
+    passes_s = sum(sum(ctx.pass_seconds.values()) for ctx in report.latest) if report is not None else 0.0
     return {
         "variant": variant, "device": device, "d_model": d_model, "first_step_s": t3 - t0, "forward_call_s": t1 - t0,
         "backward_s": t2 - t1, "optimizer_s": t3 - t2, "gc_s": collector.seconds, "gc_passes": collector.passes,
         "process_cpu_s": usage.ru_utime + usage.ru_stime - cpu0, "peak_rss_mib": usage.ru_maxrss / 1024,
+        "passes_s": passes_s,
         "compile_metrics_s": {k: round(sum(metrics.get(k, [])), 3) for k in METRICS},
         "generic": bench_e2e.generic_record(s["backend"]),
     }
@@ -245,7 +249,7 @@ def main():
           + (f", median of {args.repeat} starts" if args.repeat > 1 else "")
           + f", generic compile settings {args.generic} for every variant")
     print(f"{'variant':52} {'first s':>8} {'forward':>8} {'backward':>8} {'fw compile':>10} {'bw compile':>10} "
-          f"{'lowering':>9} {'partition':>9} {'gc':>6} {'cpu s':>7} {'rss MiB':>8}")
+          f"{'lowering':>9} {'partition':>9} {'passes':>7} {'gc':>6} {'cpu s':>7} {'rss MiB':>8}")
     for r in table:
         if "error" in r:
             print(f"{r['label']:52} error")
@@ -253,7 +257,8 @@ def main():
         m = r["compile_metrics_s"]
         print(f"{r['label']:52} {r['first_step_s']:8.1f} {r['forward_call_s']:8.1f} {r['backward_s']:8.1f} "
               f"{m['compile_fx.<locals>.fw_compiler_base']:10.2f} {m['compile_fx.<locals>.bw_compiler']:10.2f} "
-              f"{m['GraphLowering.run']:9.2f} {m['min_cut_rematerialization_partition']:9.2f} {r['gc_s']:6.2f} "
+              f"{m['GraphLowering.run']:9.2f} {m['min_cut_rematerialization_partition']:9.2f} {r['passes_s']:7.2f} "
+              f"{r['gc_s']:6.2f} "
               f"{r['process_cpu_s']:7.1f} {r['peak_rss_mib']:8.0f}")
 
 
