@@ -38,7 +38,7 @@ CONFIGS = {
     "quantize_mx": dict(BLOCK_M=32, BLOCK_K=256, num_warps=8),
     "rht_quantize_mx": dict(BLOCK_M=64, BLOCK_K=64, num_warps=4),
     "epilogue": dict(BLOCK=4096, num_warps=8),
-    "packed_mm": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3),
+    "packed_mm": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
 }
 
 
