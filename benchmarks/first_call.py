@@ -114,7 +114,7 @@ def _first_step(variant: str, d_model: int, n_layer: int, batch: int, device: st
     usage = resource.getrusage(resource.RUSAGE_SELF)
     metrics = torch._dynamo.utils.compilation_time_metrics
     report = getattr(s["backend"], "report", None)  # fp4compile.Backend's; the BF16 arms run none of its passes
-    passes_s = sum(sum(ctx.pass_seconds.values()) for ctx in report.latest) if report is not None else 0.0
+    passes_s = sum(sum(ctx.pass_seconds.values()) for ctx in report.contexts) if report is not None else 0.0
     return {
         "variant": variant, "device": device, "d_model": d_model, "first_step_s": t3 - t0, "forward_call_s": t1 - t0,
         "backward_s": t2 - t1, "optimizer_s": t3 - t2, "gc_s": collector.seconds, "gc_passes": collector.passes,

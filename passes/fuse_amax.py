@@ -242,11 +242,18 @@ def fuse_amax(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     # Run eagerly (``inner="eager"``), each op of the reduction would be a kernel of its own writing a
     # full tensor: more traffic than the quantizer's own amax pass. Only a compiler fuses it.
     fuses = getattr(ctx, "inner", None) != "eager"
-    for q in rows:
+    # Quantizers of one tensor (q, k and v of one norm, each through a view of its own) share one
+    # reduction: the views in VIEWS reshape, transpose or broadcast, so every one holds the values of the
+    # tensor behind it, and has its amax.
+    made: dict = {}  # the tensor behind the views -> its amax node
+    for q in rows:  # in graph order: the first quantizer gets the node, before it, for the later ones
         if q in taken:
             continue
         if fuses and producer_is_fusible(_x(q)):
-            _give_amax(q, _producer_amax(gm, q), "producer")
+            base = _behind_views(_x(q))
+            if base not in made:
+                made[base] = _producer_amax(gm, q)
+            _give_amax(q, made[base], "producer")
             fused += 1
     for n in nvfp4:
         if "fp4_quantize" in n.meta and "amax" not in n.meta["fp4_quantize"]:

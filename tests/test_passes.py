@@ -532,6 +532,37 @@ def test_fuse_amax_gives_low_precision_operands_the_amax_of_their_stored_bits(mo
     assert role_nodes(forward, torch.ops.aten.abs.default) == []
 
 
+class QKVBlock(nn.Module):
+    """One normalised tensor read by three linears (q, k and v of attention)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.q(h) * self.k(h) + self.v(h)
+
+
+def test_fuse_amax_gives_the_quantizers_of_one_tensor_one_reduction(monkeypatch):
+    """Three linears reading one LayerNorm output quantize it three times; the three quantizers take their
+    amax from one reduction fused into the norm's kernel, not three."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[QKVBlock() for _ in range(4)])
+    gm, example = capture(model, torch.randn(2, 16, 32))
+    ctx = CompileContext(Recipe(), 0)
+    for p in MARKING:
+        p(gm, ctx)
+    graphs = _fused_against_own_passes(gm, example, ctx, monkeypatch)
+    forward = graphs["forward"]
+    fp4_blocks = 2  # the first and last of the 4 blocks stay in high precision
+    assert _amax_sources(forward).count(("X", "producer")) == 3 * fp4_blocks
+    amaxes = role_nodes(forward, torch.ops.aten.amax.default)
+    assert len(amaxes) == fp4_blocks
+    assert all(len(a.users) == 3 for a in amaxes)
+
+
 def test_fuse_amax_leaves_producers_alone_where_the_graph_runs_eagerly(marked, monkeypatch):
     """With ``inner="eager"`` nothing fuses the reduction into the producer (each op would be a kernel of
     its own): X keeps its quantizer's own amax pass, while dY still shares one fp4.wgrad_amax read."""
@@ -551,7 +582,8 @@ def test_the_bit_pattern_amax_equals_the_float_amax():
         special = torch.tensor([0.0, -0.0, info.tiny / 4, -info.tiny / 4, info.tiny, -info.max, info.max, 1.0, -3.5],
                                dtype=dtype)
         cases = [special, special[:2], torch.cat([special, torch.tensor([-float("inf")], dtype=dtype)]),
-                 torch.cat([special, torch.tensor([float("nan")], dtype=dtype)]), torch.randn(64, 48).to(dtype) * 100]
+                 torch.cat([special, torch.tensor([float("nan")], dtype=dtype)]),
+                 torch.cat([special, -torch.tensor([float("nan")], dtype=dtype)]), torch.randn(64, 48).to(dtype) * 100]
         for x in cases:
             g = fx.Graph()
             inp = g.placeholder("x")
