@@ -205,6 +205,12 @@ def _sr_base(args: dict, out) -> Cost:
     return Cost(1, 0, 8 + nbytes(out), nbytes(out))
 
 
+def _producer_amax(args: dict, out) -> Cost:
+    """An amax ``fuse_amax`` has Inductor reduce in the kernel that produces the operand: the first stage
+    there (no launch, no read of its own), the second a launch of its own over the partial maxima."""
+    return Cost(1, 0, 0, 0)
+
+
 def _record_amax(args: dict, out) -> Cost:
     """``record_amax``: the shifted history is concatenated, then copied back (two launches over it)."""
     h = nbytes(args["history"])
@@ -234,6 +240,7 @@ COSTS: dict[tuple[str, str], Callable[[dict, object], Optional[Cost]]] = {
     ("packed_mm", "triton"): gemm_only,
     ("sr_base", "eager"): _sr_base,
     ("record_amax", "eager"): _record_amax,
+    ("producer_amax", "inductor"): _producer_amax,
 }
 
 _KERNEL_OPS = frozenset(op for op, impl in COSTS if impl == "triton")  # the ops with executor-table entries
@@ -250,6 +257,22 @@ def _fp4_op(node: fx.Node) -> Optional[str]:
     if target.namespace != "fp4" or target.overloadpacket.__name__ == "gemm":
         return None
     return target.overloadpacket.__name__
+
+
+def _feeds_producer_amax(node: fx.Node) -> bool:
+    """Whether ``node`` is the reduction of an amax ``fuse_amax`` took from the operand's producer: an
+    ``aten.amax`` whose result (through a bitcast and a cast) is a quantizer's amax, from "producer"."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.amax.default:
+        return False
+    todo = list(node.users)
+    while todo:
+        user = todo.pop()
+        if user.meta.get("fp4_quantize", {}).get("amax") == "producer":
+            return True
+        if user.op == "call_function" and user.target in (
+                torch.ops.aten.view.dtype, torch.ops.prims.convert_element_type.default):
+            todo.extend(user.users)
+    return False
 
 
 def _attributed(node: fx.Node, role_owner: dict) -> Optional[tuple[str, str]]:
@@ -271,7 +294,7 @@ def _passes_through(node: fx.Node) -> bool:
     if node.target is operator.getitem:
         return True
     return isinstance(node.target, torch._ops.OpOverload) and node.target.overloadpacket.__name__ in (
-        "permute", "t", "view", "_unsafe_view", "reshape", "transpose", "alias", "slice")
+        "permute", "t", "view", "_unsafe_view", "reshape", "transpose", "alias", "slice", "convert_element_type")
 
 
 def _owner(node: fx.Node, role_owner: dict, order: dict) -> Optional[tuple[str, str]]:
@@ -333,7 +356,8 @@ def _graph(ctx: CompileContext, stage: str) -> Optional[fx.Graph]:
 
 
 def node_traffic(ctx: CompileContext) -> list[NodeTraffic]:
-    """The cost of every fp4 op node of the final forward and backward graphs of one compiled graph."""
+    """The cost of every fp4 op node of the final forward and backward graphs of one compiled graph, and
+    of the amax reductions ``fuse_amax`` put in the operands' producers."""
     role_owner = {id(info): site.name for site in ctx.sites for info in site.roles.values()}
     out = []
     for stage in STAGES:
@@ -347,6 +371,11 @@ def node_traffic(ctx: CompileContext) -> list[NodeTraffic]:
         order = {n: i for i, n in enumerate(nodes)}
         for node in nodes:
             op = _fp4_op(node)
+            if op is None and _feeds_producer_amax(node):
+                owner = _owner(node, role_owner, order) or (GRAPH, "")
+                cost = COSTS["producer_amax", "inductor"]({}, node.meta.get("val"))
+                out.append(NodeTraffic(ctx.graph_id, stage, node.name, "aten.amax", "inductor", *owner, cost))
+                continue
             if op is None:
                 continue
             args = {k: _value(v) for k, v in bound_arguments(node).items()}

@@ -154,3 +154,19 @@ def test_the_fp4_operand_gemm_halves_the_launches(for_cuda, packed_on_cpu):
         "layers.1.fc", "wgrad", launches=1, gemm_launches=1, bytes_read=m * k * f32, bytes_written=codes(k, m))
     total = sum((Cost(r.launches, r.gemm_launches, r.bytes_read, r.bytes_written) for r in rows.values()), Cost())
     assert (total.launches, total.gemm_launches) == (24, 6)  # 42 non-GEMM launches with decoded GEMMs
+
+
+@pytest.mark.slow
+def test_an_amax_reduced_in_the_producer_costs_its_second_stage(for_cuda):
+    """Without the RHT, X operands take their amax from a reduction Inductor fuses into their producer
+    (``fuse_amax``, under Inductor only): its second stage is a launch, and X's quantizer then makes one
+    pass, where its own amax would cost a fill and a pass more."""
+    torch.manual_seed(0)
+    report = fp4compile.explain(MLPStack(3, D), torch.randn(2, TOKENS // 2, D), recipe=fp4compile.Recipe(rht=False),
+                                inner="inductor")
+    items = [t for ctx in report.latest for t in traffic.node_traffic(ctx)]
+    for site in ("layers.1.fc", "layers.1.out"):
+        fprop = [t for t in items if (t.site, t.role) == (site, "fprop")]
+        assert [t.cost for t in fprop if t.op == "aten.amax"] == [Cost(1, 0, 0, 0)]
+        # W (16x16, own amax: fill, amax pass, quantizing pass) and X (amax given: one pass).
+        assert sorted(t.cost.launches for t in fprop if t.op == "fp4.quantize") == [1, 3]
