@@ -76,7 +76,8 @@ def kernel_specs(tk, arch: int = 90, extra: bool = False):
             consts.update(TILE_ROWS=1, ITERS=cfg.get("ITERS", 1))
         specs[name] = (kernel, args, consts, key)
     dual = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "amax_t_ptr": "*fp32", "data_ptr": "*u8", "scales_ptr": "*u8",
-            "bd_ptr": "*bf16", "data_t_ptr": "*u8", "scales_t_ptr": "*u8", "bd_t_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32", "seed_ptr": "*i64", "seed_lo": "i32", "seed_hi": "i32",
+            "bd_ptr": "*bf16", "data_t_ptr": "*u8", "scales_t_ptr": "*u8", "bd_t_ptr": "*bf16", "M": "i32", "K": "i32",
+            "stride_xm": "i32", "seed_ptr": "*i64", "seed_lo": "i32", "seed_hi": "i32",
             "seed_t_ptr": "*i64", "seed_t_lo": "i32", "seed_t_hi": "i32", "SR": "constexpr", "MIX": "constexpr",
             "SR_T": "constexpr", "MIX_T": "constexpr", "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
             "K_FIRST": "constexpr", "E4M3": "constexpr", "FAKE": "constexpr"}

@@ -259,22 +259,6 @@ def _fp4_op(node: fx.Node) -> Optional[str]:
     return target.overloadpacket.__name__
 
 
-def _feeds_producer_amax(node: fx.Node) -> bool:
-    """Whether ``node`` is the reduction of an amax ``fuse_amax`` took from the operand's producer: an
-    ``aten.amax`` whose result (through a bitcast and a cast) is a quantizer's amax, from "producer"."""
-    if node.op != "call_function" or node.target is not torch.ops.aten.amax.default:
-        return False
-    todo = list(node.users)
-    while todo:
-        user = todo.pop()
-        if user.meta.get("fp4_quantize", {}).get("amax") == "producer":
-            return True
-        if user.op == "call_function" and user.target in (
-                torch.ops.aten.view.dtype, torch.ops.prims.convert_element_type.default):
-            todo.extend(user.users)
-    return False
-
-
 def _attributed(node: fx.Node, role_owner: dict) -> Optional[tuple[str, str]]:
     """(site, role) from the metadata the passes put on the node: a quantizer's ``fp4_quantize``, a
     GEMM's ``fp4_role``."""
@@ -371,7 +355,7 @@ def node_traffic(ctx: CompileContext) -> list[NodeTraffic]:
         order = {n: i for i, n in enumerate(nodes)}
         for node in nodes:
             op = _fp4_op(node)
-            if op is None and _feeds_producer_amax(node):
+            if op is None and node.meta.get("fp4_producer_amax"):  # marked by fuse_amax
                 owner = _owner(node, role_owner, order) or (GRAPH, "")
                 cost = COSTS["producer_amax", "inductor"]({}, node.meta.get("val"))
                 out.append(NodeTraffic(ctx.graph_id, stage, node.name, "aten.amax", "inductor", *owner, cost))

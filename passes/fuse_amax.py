@@ -134,9 +134,11 @@ def _x(quantizer: fx.Node) -> fx.Node:
     return bound_arguments(quantizer)["x"]
 
 
-def _call(graph: fx.Graph, target, args, val) -> fx.Node:
+def _call(graph: fx.Graph, target, *args) -> fx.Node:
+    """``target(*args)`` as a node at the graph's insertion point, its fake value computed from its
+    arguments'."""
     node = graph.call_function(target, args)
-    node.meta["val"] = val
+    node.meta["val"] = target(*fx.map_arg(args, lambda n: n.meta["val"]))
     return node
 
 
@@ -144,24 +146,24 @@ def _producer_amax(gm: fx.GraphModule, q: fx.Node) -> fx.Node:
     """x's amax as a float32 0-dim node, inserted before ``q``, as a reduction Inductor splits and whose
     first stage it computes in x's producer kernel: ``amax(abs(x))`` for float32; for bf16 and fp16 the
     largest bit pattern with the sign bit cleared, bitcast back and widened (exact, and computed from x
-    rounded to its dtype: see the module's docstring)."""
+    rounded to its dtype: see the module's docstring). The reduction node is marked
+    ``fp4_producer_amax`` (``fp4compile.traffic`` costs its second stage)."""
     x = bound_arguments(q)["x"]
     val = x.meta["val"]
     g = gm.graph
     dims = list(range(val.dim()))
-
-    def call(target, *args):
-        node_args = fx.map_arg(args, lambda n: n.meta["val"])
-        return _call(g, target, args, target(*node_args))
-
+    wide = val.dtype == torch.float32
     with g.inserting_before(q):
-        if val.dtype == torch.float32:
-            return call(aten.amax.default, call(aten.abs.default, x), dims)
-        bits = call(aten.view.dtype, x, LOW_PRECISION[val.dtype])
-        magnitude = call(aten.bitwise_and.Scalar, bits, 0x7FFF)
-        largest = call(aten.amax.default, magnitude, dims)
-        return call(torch.ops.prims.convert_element_type.default, call(aten.view.dtype, largest, val.dtype),
-                    torch.float32)
+        if wide:
+            magnitude = _call(g, aten.abs.default, x)
+        else:
+            magnitude = _call(g, aten.bitwise_and.Scalar, _call(g, aten.view.dtype, x, LOW_PRECISION[val.dtype]), 0x7FFF)
+        largest = _call(g, aten.amax.default, magnitude, dims)
+        largest.meta["fp4_producer_amax"] = True
+        if wide:
+            return largest
+        return _call(g, torch.ops.prims.convert_element_type.default, _call(g, aten.view.dtype, largest, val.dtype),
+                     torch.float32)
 
 
 def _row_major(node: fx.Node) -> bool:

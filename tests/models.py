@@ -76,6 +76,18 @@ class GPTWithLoss(nn.Module):
         return logits, lm_loss(logits, idx)
 
 
+class NormMLP(nn.Module):
+    """LayerNorm -> Linear -> GELU -> Linear: both X operands have producers Inductor fuses an amax into."""
+
+    def __init__(self, d: int = 256):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.blocks = nn.ModuleList([nn.Linear(d, 4 * d), nn.Linear(4 * d, d)])
+
+    def forward(self, x):
+        return self.blocks[1](nn.functional.gelu(self.blocks[0](self.norm(x))))
+
+
 class MLPStack(nn.Module):
     """n blocks of Linear-GELU-Linear with a residual, for precision-plan tests of any depth."""
 

@@ -534,17 +534,10 @@ def test_fuse_amax_of_bf16_operands_through_inductor_keeps_the_bits(monkeypatch)
     from fp4compile import vocabulary
     from fp4compile.passes import fuse_amax as amax_module
 
-    class NormMLP(nn.Module):
-        def __init__(self, d=64):
-            super().__init__()
-            self.norm = nn.LayerNorm(d)
-            self.blocks = nn.ModuleList([nn.Linear(d, 4 * d), nn.Linear(4 * d, d)])
-
-        def forward(self, x):
-            return self.blocks[1](nn.functional.gelu(self.blocks[0](self.norm(x))))
+    from models import NormMLP
 
     torch.manual_seed(0)
-    state = NormMLP().state_dict()
+    state = NormMLP(64).state_dict()
     x = torch.randn(2, 32, 64) * 3
     results, sources = [], []
     for forced in (False, True):
@@ -553,7 +546,7 @@ def test_fuse_amax_of_bf16_operands_through_inductor_keeps_the_bits(monkeypatch)
             monkeypatch.setattr(amax_module, "applies", lambda node: True)
             monkeypatch.setattr(vocabulary, "separate_amax_costs_a_read", lambda val: True)
         fp4compile.manual_seed(3)
-        model = NormMLP()
+        model = NormMLP(64)
         model.load_state_dict(state)
         backend = Backend(high_precision_first_blocks=0, high_precision_last_blocks=0, rht=False)
         xd = x.clone().requires_grad_()

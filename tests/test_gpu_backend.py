@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from fp4compile import Backend, runtime  # noqa: E402
+from models import NormMLP  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -128,18 +129,6 @@ def test_gpu_decoded_operands_give_the_bits_of_packed_ones(fresh_dynamo):
         assert ("fp4.fake_quantize" in final[0]) == decoded and ("fp4.decode_blocks" in final[0])
     for a, b in zip(results[True], results[False]):
         assert torch.equal(a, b)
-
-
-class NormMLP(torch.nn.Module):
-    """LayerNorm -> Linear -> GELU -> Linear: both X operands have producers Inductor fuses the amax into."""
-
-    def __init__(self, d=256):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(d)
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)])
-
-    def forward(self, x):
-        return self.blocks[1](torch.nn.functional.gelu(self.blocks[0](self.norm(x))))
 
 
 @pytest.mark.parametrize("decoded,autocast,rht", [(False, True, True), (True, True, True), (True, False, True), (True, False, False), (False, True, False), (True, True, False)])
