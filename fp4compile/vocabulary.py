@@ -30,6 +30,7 @@ RHT_QUANTIZE = torch.ops.fp4.rht_quantize.default
 SCALED_MM = torch.ops.fp4.scaled_mm.default
 SWIZZLE_SCALES = torch.ops.fp4.swizzle_scales.default
 EMULATED_MM = torch.ops.fp4.emulated_mm.default
+CUBLASLT_MM = torch.ops.fp4.cublaslt_mm.default
 PACKED_MM = torch.ops.fp4.packed_mm.default
 DECODE_BLOCKS = torch.ops.fp4.decode_blocks.default
 FAKE_QUANTIZE = torch.ops.fp4.fake_quantize.default

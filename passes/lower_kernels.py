@@ -36,7 +36,11 @@ kernel-table entries.
 
 Under Inductor (on any device), each ``fp4.record_amax`` (an activation's amax written into its site's
 history) becomes the ATen ops of its implementation, a shift and a copy into the history, which Inductor
-fuses into a kernel of its own instead of calling the op from its code at every step.
+fuses into a kernel of its own instead of calling the op from its code at every step. Likewise each
+``fp4.emulated_mm`` that cuBLASLt runs (its implementation calls cuBLASLt, so it cannot be traced) becomes
+its alpha as ATen ops (``formats.gemm_alpha``'s three float32 products, one kernel of Inductor's making
+where the op launched three) and ``fp4.cublaslt_mm``, the GEMM alone: a plain dispatcher call from
+Inductor's code, where the op chose its implementation and computed alpha at every step.
 """
 
 from __future__ import annotations
@@ -51,10 +55,10 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fp4compile import config, executors, runtime
+from fp4compile import config, executors, formats, runtime
 from fp4compile.contracts import broken, contract
 from fp4compile.sites import CompileContext, bound_arguments
-from fp4compile.vocabulary import RECORD_AMAX, SR_BASE
+from fp4compile.vocabulary import CUBLASLT_MM, EMULATED_MM, RECORD_AMAX, SR_BASE
 
 KERNEL_OPS = {
     torch.ops.fp4.quantize.default: "fp4.quantize",
@@ -371,6 +375,43 @@ def _record_amax_in_graph(gm: fx.GraphModule, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
+def _cublaslt_in_graph(gm: fx.GraphModule, node: fx.Node, args: dict) -> bool:
+    """Replace ``fp4.emulated_mm`` that cuBLASLt runs by alpha computed in the graph and ``fp4.cublaslt_mm``
+    (the GEMM alone, alpha read in its epilogue). Alpha is ``formats.gemm_alpha``'s three float32
+    products, amax_A * fp32(1/G) times amax_B * fp32(1/G), as ATen ops: Inductor fuses them into a kernel
+    of its own making (one launch where the op made three), and its call from Inductor's code is a plain
+    dispatcher call instead of the op's own, which chose an implementation and computed alpha at every
+    step. False (nothing changed) where an amax is not a float32 value on the operands' device."""
+    a = args["a"].meta["val"]
+    amaxes = [args[name] for name in ("a_amax", "b_amax")]
+    values = [_value(x) for x in amaxes]
+    if not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.numel() == 1 and v.device == a.device
+               for v in values):
+        return False
+    # fp32(1/G) exactly, as a Python float: eager kernels and Inductor's code multiply by this float32 value.
+    inv = float(torch.tensor(1.0 / formats.global_constant(args["scale_rule"]), dtype=torch.float32))
+    graph = gm.graph
+    aten = torch.ops.aten
+    with graph.inserting_before(node):
+        decode = [graph.call_function(aten.mul.Tensor, (x, inv)) for x in amaxes]
+        product = graph.call_function(aten.mul.Tensor, tuple(decode))
+        alpha = graph.call_function(aten.reshape.default, (product, []))
+        gemm = graph.call_function(CUBLASLT_MM, (args["a"], args["b"], alpha, args["out_dtype"]))
+    from torch._guards import detect_fake_mode
+
+    fake_mode = detect_fake_mode([a, *values])
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        for new in (*decode, product, alpha, gemm):
+            call_args, call_kwargs = fx.map_arg((new.args, new.kwargs), lambda x: x.meta["val"])
+            new.meta["val"] = new.target(*call_args, **call_kwargs)
+    for key, value in node.meta.items():
+        if key != "val" and (key == "stack_trace" or key.startswith("fp4")):
+            gemm.meta[key] = value
+    node.replace_all_uses_with(gemm)
+    graph.erase_node(node)
+    return True
+
+
 def _ensures_one_base_per_device(gm: fx.GraphModule, ctx: CompileContext) -> None:
     devices = [str(n.meta["val"].device) for n in gm.graph.find_nodes(op="call_function", target=SR_BASE)]
     if len(set(devices)) != len(devices):
@@ -396,6 +437,10 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         args = bound_arguments(node)
         implementation, reason = _record(args, KERNEL_OPS[node.target][len("fp4."):], inductor)
         ctx.kernels.append((stage, node.name, KERNEL_OPS[node.target], implementation, reason))
+        if (node.target is EMULATED_MM and implementation == "cublaslt" and inductor and config.in_graph_kernels
+                and _cublaslt_in_graph(gm, node, args)):
+            changed = True
+            continue
         if not implementation.startswith("in-graph "):
             continue
         if any(name in args for name in _ROUNDING_ARGS):

@@ -267,15 +267,21 @@ def test_the_report_says_how_each_quantizer_runs_on_the_cpu(fresh_dynamo):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_gpu_in_graph_kernels_give_the_bits_of_the_ops(fresh_dynamo, monkeypatch, mode):
+@pytest.mark.parametrize("mode,gemm", [(None, "torch"), ("reduce-overhead", "torch"), (None, "cublaslt"),
+                                       ("reduce-overhead", "cublaslt")])
+def test_gpu_in_graph_kernels_give_the_bits_of_the_ops(fresh_dynamo, monkeypatch, mode, gemm):
     """Inductor with the kernels in its code against Inductor calling the fp4 ops (in-graph kernels off):
     the same logits and gradients, bit for bit, over three steps (fresh SR bits each). Both compile the
-    same graph around the quantizers, so only how the quantizers run differs."""
+    same graph around the quantizers, so only how the quantizers run differs. ``gemm``: the emulated
+    GEMM, ``torch`` (traced into the graph) or ``cublaslt`` (alpha computed in the graph and
+    ``fp4.cublaslt_mm``, against ``fp4.emulated_mm`` computing alpha itself)."""
     from fp4compile import config
+    from fp4compile.codegen import cublaslt_gemm
 
+    if gemm == "cublaslt" and not cublaslt_gemm.available()[0]:
+        pytest.skip(cublaslt_gemm.available()[1])
     results = {}
-    monkeypatch.setattr(config, "emulated_gemm", "torch")  # the traceable GEMM, also where cuBLASLt is installed
+    monkeypatch.setattr(config, "emulated_gemm", gemm)
     for in_graph in (False, True):
         monkeypatch.setattr(config, "in_graph_kernels", in_graph)
         torch._dynamo.reset()
@@ -299,9 +305,96 @@ def test_gpu_in_graph_kernels_give_the_bits_of_the_ops(fresh_dynamo, monkeypatch
             assert choices and all(impl == "in-graph triton" for _, impl, _ in choices), choices
             assert "triton_kernel_wrapper_functional" in targets
             assert not any(t.startswith("fp4.") and "quantize" in t for t in targets), targets
+            assert ("fp4.cublaslt_mm.default" in targets) == (gemm == "cublaslt")
+            assert "fp4.emulated_mm.default" not in targets
         else:
             assert choices and all(impl == "triton" for _, impl, _ in choices), choices
             assert "triton_kernel_wrapper_functional" not in targets
     for step, ((y_e, g_e), (y_i, g_i)) in enumerate(zip(results[False], results[True])):
         for name, a, b in [("logits", y_e, y_i), *((f"grad {i}", a, b) for i, (a, b) in enumerate(zip(g_e, g_i)))]:
             assert torch.equal(a, b), f"step {step} {name}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+# Emulated GEMMs on a simulated sm_90 device where cuBLASLt runs them (the bindings' presence simulated):
+# two NVFP4 ones (block scale rules "6" and "4/6", bf16 and fp32 outputs) and an MXFP4 one. Prints the
+# call targets after the lowering, the constants alpha is computed with, and the report's choices.
+_CUBLASLT = _SIMULATE_SM90.replace('"FP4COMPILE_EMULATED_GEMM"] = "torch"', '"FP4COMPILE_EMULATED_GEMM"] = "auto"') + textwrap.dedent("""
+    from fp4compile.codegen import cublaslt_gemm
+    cublaslt_gemm.available = lambda: (True, "cuBLASLt (simulated)")
+
+    def f(a, b, a_amax, b_amax):
+        return (torch.ops.fp4.emulated_mm(a, a_amax, b, b_amax, "nvfp4", torch.bfloat16),
+                torch.ops.fp4.emulated_mm(a, b_amax, b, a_amax, "nvfp4", torch.float32, "4/6"),
+                torch.ops.fp4.emulated_mm(a, a_amax, b, b_amax, "mxfp4", torch.bfloat16))
+
+    with FakeTensorMode():
+        a = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
+        b = torch.empty(32, 128, device="cuda", dtype=torch.bfloat16)
+        amax = torch.empty((), device="cuda", dtype=torch.float32)
+        gm = make_fx(f)(a, b, amax, amax.clone())
+    ctx = CompileContext(fp4compile.Recipe(), 0)
+    ctx.inner = "inductor"
+    gm = lower_kernels(gm, ctx)
+    after = collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    constants = sorted({n.args[1] for n in gm.graph.nodes if str(n.target) == "aten.mul.Tensor"
+                        and isinstance(n.args[1], float)})
+    gemms = [[str(a) if isinstance(a, torch.fx.Node) else str(a) for a in n.args]
+             for n in gm.graph.nodes if str(n.target) == "fp4.cublaslt_mm.default"]
+    print(json.dumps({"after": after, "constants": constants, "gemms": gemms,
+                      "choices": [c[2:] for c in ctx.kernels]}))
+""")
+
+
+def test_an_emulated_gemm_cublaslt_runs_computes_its_alpha_in_the_graph():
+    """Where cuBLASLt runs an emulated NVFP4 GEMM of a graph Inductor compiles, alpha is three float32
+    products in the graph (amax_A * fp32(1/G) times amax_B * fp32(1/G), G of the block scale rule) and the
+    GEMM is ``fp4.cublaslt_mm`` reading it: no op at run time chooses an implementation or launches
+    alpha's kernels. The MXFP4 GEMM (no alpha) is not cuBLASLt's and keeps its own form."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _CUBLASLT], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    after = result["after"]
+    assert after["fp4.cublaslt_mm.default"] == 2 and after["aten.mul.Tensor"] == 2 * 3
+    assert after["fp4.emulated_mm.default"] == 1  # the MXFP4 one: a BF16 GEMM, no alpha
+    f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731
+    assert result["constants"] == sorted([f32(1 / 2688), f32(1 / 1536)])
+    assert [g[-1] for g in result["gemms"]] == ["torch.bfloat16", "torch.float32"]
+    assert [c[1] for c in result["choices"]] == ["cublaslt", "cublaslt", "cuda-bf16"]
+
+
+def test_alpha_in_the_graph_gives_the_bits_of_the_emulated_gemm(monkeypatch):
+    """The lowered form (alpha as ATen ops, ``fp4.cublaslt_mm``) against ``fp4.emulated_mm`` on the CPU,
+    with a cuBLASLt entry that takes CPU calls: bit for bit, run eagerly and compiled by Inductor (whose
+    code computes alpha), for both block scale rules and output dtypes, on amaxes whose alpha rounds."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fp4compile import executors, reference
+    from fp4compile.passes.lower_kernels import lower_kernels
+    from fp4compile.sites import CompileContext
+
+    executors.unregister("emulated_mm", "cublaslt")
+    monkeypatch.setattr(executors, "_TABLE", dict(executors._TABLE))  # restored whole after the test
+    executors.register("emulated_mm", "cublaslt", lambda *a: (True, ""), reference.decoded_product, before="triton")
+
+    def f(a, b, a_amax, b_amax):
+        return (torch.ops.fp4.emulated_mm(a, a_amax, b, b_amax, "nvfp4", torch.bfloat16),
+                torch.ops.fp4.emulated_mm(a, b_amax, b, a_amax, "nvfp4", torch.float32, "4/6"))
+
+    torch.manual_seed(0)
+    codes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    a = (codes[torch.randint(0, 8, (48, 64))] * torch.randn(48, 64).sign()).bfloat16()
+    b = (codes[torch.randint(0, 8, (32, 64))] * torch.randn(32, 64).sign()).bfloat16()
+    a_amax, b_amax = torch.tensor(3.1e-3), torch.tensor(7.77e4)
+    expected = f(a, b, a_amax, b_amax)
+    gm = make_fx(f, tracing_mode="fake")(a, b, a_amax, b_amax)
+    ctx = CompileContext(fp4compile.Recipe(), 0)
+    ctx.inner = "inductor"
+    lowered = lower_kernels(gm, ctx)
+    lowered.recompile()
+    targets = [n.target for n in lowered.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.fp4.cublaslt_mm.default) == 2 and torch.ops.fp4.emulated_mm.default not in targets
+    for got in (lowered(a, b, a_amax, b_amax), torch.compile(lowered, backend="inductor")(a, b, a_amax, b_amax)):
+        for y, y_ref in zip(got, expected):
+            assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)
