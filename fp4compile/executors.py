@@ -308,7 +308,10 @@ _define("dual_quantize", "x size fmt rounding seed amax rounding_t seed_t amax_t
 _define("wgrad_amax", "x size", _triton("wgrad_amax"), _reference(reference.wgrad_amax))
 _define("transpose_quantized", "data scales layout", _triton("transpose_quantized"), _reference(reference.transpose_quantized))
 _define("decode_blocks", "data scales", _triton("decode_blocks"), _reference(reference.decode_blocks))
-_define("emulated_mm", "a a_amax b b_amax fmt out_dtype scale_rule", _triton("cublaslt_mm", in_graph=False, name="cublaslt"),
+# The emulated GEMM by cuBLASLt: ``lower_kernels`` rewrites the calls this entry takes in a graph Inductor
+# compiles into alpha in the graph and ``fp4.cublaslt_mm`` (the same GEMM and arithmetic).
+CUBLASLT = _triton("cublaslt_mm", in_graph=False, name="cublaslt")
+_define("emulated_mm", "a a_amax b b_amax fmt out_dtype scale_rule", CUBLASLT,
         _triton("emulated_mm"),
         Implementation("cuda-bf16", _check_cuda_bf16, _cuda_bf16), _reference(reference.decoded_product))
 _define("packed_mm", "a a_scales a_amax b b_scales b_amax fmt out_dtype scale_rule b_kn", _triton("packed_mm"),

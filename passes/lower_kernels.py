@@ -176,17 +176,18 @@ def _why_not(args: dict, values: list, inductor: bool) -> str:
     return _symbolic(values)
 
 
-def _record(args: dict, op: str, inductor: bool) -> tuple[str, str]:
-    """(implementation, reason) of a kernel op node: the executor table's choice for its fake values,
-    "in-graph <name>" where the lowering puts that implementation's kernels into the graph (reason "")."""
+def _record(args: dict, op: str, inductor: bool) -> tuple[str, str, Optional[executors.Implementation]]:
+    """(implementation, reason, the table's entry or None) of a kernel op node: the executor table's
+    choice for its fake values, "in-graph <name>" where the lowering puts that implementation's kernels
+    into the graph (reason "")."""
     values = [_value(args[name]) for name in executors.arguments(op)]
     if not isinstance(values[0], torch.Tensor):
-        return "chosen when it runs", "no fake value for its input"
+        return "chosen when it runs", "no fake value for its input", None
     choice = _choose(op, values)
     why = _why_not(args, values, inductor) if choice.implementation.in_graph else ""
     if choice.implementation.in_graph and not why:
-        return f"in-graph {choice.name}", choice.reason
-    return choice.name, "; ".join(r for r in (why, choice.reason) if r)
+        return f"in-graph {choice.name}", choice.reason, choice.implementation
+    return choice.name, "; ".join(r for r in (why, choice.reason) if r), choice.implementation
 
 
 def _tensor_names(args: dict) -> list:
@@ -435,9 +436,10 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         if node.op != "call_function" or node.target not in KERNEL_OPS:
             continue
         args = bound_arguments(node)
-        implementation, reason = _record(args, KERNEL_OPS[node.target][len("fp4."):], inductor)
+        implementation, reason, entry = _record(args, KERNEL_OPS[node.target][len("fp4."):], inductor)
         ctx.kernels.append((stage, node.name, KERNEL_OPS[node.target], implementation, reason))
-        if (node.target is EMULATED_MM and implementation == "cublaslt" and inductor and config.in_graph_kernels
+        # Only fp4compile's own cuBLASLt entry: an implementation registered in its place runs as called.
+        if (entry is executors.CUBLASLT and inductor and config.in_graph_kernels
                 and _cublaslt_in_graph(gm, node, args)):
             changed = True
             continue

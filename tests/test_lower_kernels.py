@@ -374,9 +374,17 @@ def test_alpha_in_the_graph_gives_the_bits_of_the_emulated_gemm(monkeypatch):
     from fp4compile.passes.lower_kernels import lower_kernels
     from fp4compile.sites import CompileContext
 
-    executors.unregister("emulated_mm", "cublaslt")
     monkeypatch.setattr(executors, "_TABLE", dict(executors._TABLE))  # restored whole after the test
+    executors.unregister("emulated_mm", "cublaslt")
     executors.register("emulated_mm", "cublaslt", lambda *a: (True, ""), reference.decoded_product, before="triton")
+    # Only fp4compile's own entry is rewritten: another of that name runs as called.
+    gm = make_fx(lambda a, b, x, y: torch.ops.fp4.emulated_mm(a, x, b, y, "nvfp4", torch.bfloat16),
+                 tracing_mode="fake")(*(torch.ones(16, 16, dtype=torch.bfloat16),) * 2, torch.tensor(1.0), torch.tensor(1.0))
+    ctx = CompileContext(fp4compile.Recipe(), 0)
+    ctx.inner = "inductor"
+    targets = [n.target for n in lower_kernels(gm, ctx).graph.nodes]
+    assert torch.ops.fp4.emulated_mm.default in targets and torch.ops.fp4.cublaslt_mm.default not in targets
+    monkeypatch.setattr(executors, "CUBLASLT", executors._entries("emulated_mm")[0])
 
     def f(a, b, a_amax, b_amax):
         return (torch.ops.fp4.emulated_mm(a, a_amax, b, b_amax, "nvfp4", torch.bfloat16),
