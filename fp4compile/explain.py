@@ -45,12 +45,16 @@ def explain(
     "inductor" makes the same precision plan around differently decomposed ATen ops).
     loss_fn: ``loss_fn(output) -> scalar`` for the backward; default: the sum of every floating-point
     output that requires grad. Without such an output only the forward graph is compiled.
+    The graphs are compiled for the shapes of ``example_inputs`` (static), whatever earlier calls
+    explained.
     """
     model = getattr(model, "_orig_mod", model)  # an already compiled model: explain the model itself
     backend = Backend(recipe=recipe, passes=passes, inner=inner)
     inputs = pytree.tree_map_only(torch.Tensor, _fresh_input, example_inputs)
     with _isolated(model) as target, torch.enable_grad():
-        output = torch.compile(_fresh_call(), backend=backend)(target, *inputs)
+        # Shapes as given: dynamo keeps its automatic dynamic shapes per function name and place, which
+        # every explain call shares, so an earlier call with other shapes would make these symbolic.
+        output = torch.compile(_fresh_call(), backend=backend, dynamic=False)(target, *inputs)
         loss = loss_fn(output) if loss_fn is not None else _default_loss(output)
         if loss is not None and loss.requires_grad:
             loss.backward()

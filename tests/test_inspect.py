@@ -104,6 +104,26 @@ def test_explain_in_place_when_the_model_cannot_be_copied():
     assert torch.equal(model.norm.running_mean, running_mean)
 
 
+def test_explain_reports_the_shapes_given_whatever_it_explained_before():
+    """Each explain call compiles for the shapes it is given: one after calls with other shapes reports
+    the same graphs as a first call (dynamo's automatic dynamic shapes, kept per function name, would
+    otherwise make the token count symbolic: other GEMM shapes, other amax sharing)."""
+    torch.manual_seed(0)
+    model = MLPStack(3, 32)
+
+    def shapes(report):
+        return [[tuple(a.meta["val"].shape) for a in n.args[:2]] for ctx in report.latest
+                for n in ctx.final_graphs["joint"].nodes if n.target is torch.ops.fp4.gemm.default]
+
+    torch._dynamo.reset()
+    first = fp4compile.explain(model, torch.randn(2, 32, 32))
+    for tokens in (8, 16):
+        fp4compile.explain(model, torch.randn(2, tokens, 32))
+    again = fp4compile.explain(model, torch.randn(2, 32, 32))
+    assert shapes(again) == shapes(first) and all(isinstance(d, int) for g in shapes(again) for s in g for d in s)
+    assert again.traffic_table() == first.traffic_table()
+
+
 def test_report_matches_compiling_with_the_backend(explained):
     torch._dynamo.reset()
     torch.manual_seed(0)
