@@ -400,6 +400,7 @@ class Backend:
         recipe = self._effective_recipe(config)
         ctx = CompileContext(recipe, graph_id, model, parameter_names)
         ctx.inner = self.inner
+        ctx.cuda_graphs = self._records_graphs(config)
         ctx.shape_env = getattr(torch._guards.detect_fake_mode(example_inputs), "shape_env", None)
         ctx.total_blocks = self.total_blocks
         if recipe.amax_history and torch.is_grad_enabled():  # training graphs record activation ranges

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 check_finite: bool = False
 """``Recipe(check_finite=True)`` in every ``Backend`` made: a NaN or Inf in a quantized tensor raises."""
@@ -28,9 +28,11 @@ emulated_gemm: str = "auto"
 "cublaslt" (required), "torch" (``torch.mm`` to fp32 and an epilogue kernel), "packed" (one Triton
 kernel that reads the packed operands and decodes them in registers: ``fp4.packed_mm``)."""
 
-in_graph_kernels: bool = True
+in_graph_kernels: Union[bool, str] = True
 """Under Inductor on CUDA, the fp4 ops' Triton kernels go into Inductor's generated code (the
-``lower_kernels`` pass); off: each op runs as one opaque call that launches its kernels itself."""
+``lower_kernels`` pass); off: each op runs as one opaque call that launches its kernels itself; "auto":
+op calls where Inductor records the graphs in CUDA graphs (a replay costs an op call no host time, and
+the graphs compile faster), in-graph kernels elsewhere."""
 
 kernel_analysis_cache: bool = True
 """Inductor's analysis of which buffers one of fp4compile's Triton kernels writes (a TTIR compile of the
@@ -60,6 +62,20 @@ class _Flag:
     def check(self, value) -> bool:
         if not isinstance(value, bool):
             raise ValueError("expected True or False")
+        return value
+
+
+class _FlagOrAuto(_Flag):
+    """On, off (as ``_Flag``) or "auto"."""
+
+    def parse(self, text: str):
+        return "auto" if text.lower() == "auto" else super().parse(text)
+
+    def check(self, value):
+        if value == "auto":
+            return value
+        if not isinstance(value, bool):
+            raise ValueError('expected True, False or "auto"')
         return value
 
 
@@ -116,7 +132,7 @@ SETTINGS: dict[str, Setting] = {
     "check_finite": Setting("FP4COMPILE_CHECK_FINITE", _Flag()),
     "print_ir_after": Setting("FP4COMPILE_PRINT_IR_AFTER", _PassNames()),
     "emulated_gemm": Setting("FP4COMPILE_EMULATED_GEMM", _Choice(("auto", "cublaslt", "torch", "packed"), "auto, cublaslt, torch or packed")),
-    "in_graph_kernels": Setting("FP4COMPILE_IN_GRAPH_KERNELS", _Flag()),
+    "in_graph_kernels": Setting("FP4COMPILE_IN_GRAPH_KERNELS", _FlagOrAuto()),
     "kernel_analysis_cache": Setting("FP4COMPILE_KERNEL_ANALYSIS_CACHE", _Flag()),
     "check_contracts": Setting("FP4COMPILE_CHECK_CONTRACTS", _Flag()),
     "cache_dir": Setting("FP4COMPILE_CACHE_DIR", _Text()),

@@ -312,6 +312,7 @@ class CompileContext:
         self.grad_buffers: list[str] = []  # outputs given a buffer for an unused gradient (grad_buffers)
         self.pass_seconds: dict[tuple[str, str], float] = {}  # (stage, pass) -> time spent (run_passes)
         self.inner: Optional[str] = None  # the compiler the graphs go to: "inductor" or "eager"
+        self.cuda_graphs = False  # whether Inductor records the graphs in CUDA graphs
         # (stage, node, op, implementation, why not the in-graph kernels) of every kernel op (lower_kernels)
         self.kernels: list[tuple[str, str, str, str, str]] = []
         # The backend's activation ranges (``fp4compile.ranges``) where this graph records them: compiled

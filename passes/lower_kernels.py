@@ -161,14 +161,23 @@ def _choose(op: str, values: list):
         return executors.choose(op, *values)
 
 
-def _why_not(args: dict, values: list, inductor: bool) -> str:
+def _in_graph_refusal(ctx: CompileContext) -> str:
+    """Why ``config.in_graph_kernels`` keeps this graph's kernel ops as op calls ("" where it does not)."""
+    setting = config.in_graph_kernels
+    if setting == "auto":
+        return ("the graph is recorded in CUDA graphs, where an op call costs a replay no host time "
+                "(fp4compile.config.in_graph_kernels='auto')") if ctx.cuda_graphs else ""
+    return "" if setting else "in-graph kernels are off (fp4compile.config.in_graph_kernels)"
+
+
+def _why_not(args: dict, values: list, inductor: bool, refusal: str) -> str:
     """Why an op whose chosen implementation could go into the graph stays a node ("" where it goes)."""
     from fp4compile.codegen import triton_kernels
 
     if not inductor:
         return "the graph is not compiled by Inductor"
-    if not config.in_graph_kernels:
-        return "in-graph kernels are off (fp4compile.config.in_graph_kernels)"
+    if refusal:
+        return refusal
     if triton_kernels.numerics._interpreting():
         return "the Triton kernels cannot be compiled here (Triton's interpreter)"
     if any(args.get(name) for name in _CHECK_ARGS):
@@ -176,7 +185,7 @@ def _why_not(args: dict, values: list, inductor: bool) -> str:
     return _symbolic(values)
 
 
-def _record(args: dict, op: str, inductor: bool) -> tuple[str, str, Optional[executors.Implementation]]:
+def _record(args: dict, op: str, inductor: bool, refusal: str) -> tuple[str, str, Optional[executors.Implementation]]:
     """(implementation, reason, the table's entry or None) of a kernel op node: the executor table's
     choice for its fake values, "in-graph <name>" where the lowering puts that implementation's kernels
     into the graph (reason "")."""
@@ -184,7 +193,7 @@ def _record(args: dict, op: str, inductor: bool) -> tuple[str, str, Optional[exe
     if not isinstance(values[0], torch.Tensor):
         return "chosen when it runs", "no fake value for its input", None
     choice = _choose(op, values)
-    why = _why_not(args, values, inductor) if choice.implementation.in_graph else ""
+    why = _why_not(args, values, inductor, refusal) if choice.implementation.in_graph else ""
     if choice.implementation.in_graph and not why:
         return f"in-graph {choice.name}", choice.reason, choice.implementation
     return choice.name, "; ".join(r for r in (why, choice.reason) if r), choice.implementation
@@ -422,6 +431,7 @@ def _ensures_one_base_per_device(gm: fx.GraphModule, ctx: CompileContext) -> Non
 @contract(after=("fuse_amax", "record_ranges"), stages=("forward", "backward"), ensures=_ensures_one_base_per_device)
 def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     inductor = getattr(ctx, "inner", None) == "inductor"
+    refusal = _in_graph_refusal(ctx)
     if inductor:
         reuse_kernel_analysis()
     keys = _StreamKeys(gm)
@@ -429,18 +439,17 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
     changed = False
     stage = ctx.stage
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is RECORD_AMAX and inductor and config.in_graph_kernels:
+        if node.op == "call_function" and node.target is RECORD_AMAX and inductor and not refusal:
             _record_amax_in_graph(gm, node)
             changed = True
             continue
         if node.op != "call_function" or node.target not in KERNEL_OPS:
             continue
         args = bound_arguments(node)
-        implementation, reason, entry = _record(args, KERNEL_OPS[node.target][len("fp4."):], inductor)
+        implementation, reason, entry = _record(args, KERNEL_OPS[node.target][len("fp4."):], inductor, refusal)
         ctx.kernels.append((stage, node.name, KERNEL_OPS[node.target], implementation, reason))
         # Only fp4compile's own cuBLASLt entry: an implementation registered in its place runs as called.
-        if (entry is executors.CUBLASLT and inductor and config.in_graph_kernels
-                and _cublaslt_in_graph(gm, node, args)):
+        if entry is executors.CUBLASLT and inductor and not refusal and _cublaslt_in_graph(gm, node, args):
             changed = True
             continue
         if not implementation.startswith("in-graph "):

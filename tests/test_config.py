@@ -30,6 +30,15 @@ def test_each_variable_sets_its_field():
     )
     for off in ("0", "false", "No", "OFF"):
         assert config.from_environment({"FP4COMPILE_CHECK_FINITE": off})["check_finite"] is False
+    assert config.from_environment({"FP4COMPILE_IN_GRAPH_KERNELS": "Auto"})["in_graph_kernels"] == "auto"
+
+
+def test_in_graph_kernels_takes_on_off_or_auto():
+    for value in (True, False, "auto"):
+        with config.patch(in_graph_kernels=value):
+            assert config.in_graph_kernels == value
+    with pytest.raises(ValueError, match='expected True, False or "auto"'), config.patch(in_graph_kernels="yes"):
+        pass
 
 
 @pytest.mark.parametrize("variable, value", [

@@ -78,6 +78,7 @@ _SIMULATED = _SIMULATE_SM90 + textwrap.dedent("""
     old_nodes = set(gm.graph.nodes)
     ctx = CompileContext(fp4compile.Recipe(), 0)
     ctx.inner = "inductor"
+    ctx.cuda_graphs = os.environ.get("SIMULATED_CUDA_GRAPHS") == "1"
     gm = lower_kernels(gm, ctx)
     after = collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
     new_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n not in old_nodes]
@@ -248,6 +249,26 @@ def test_in_graph_kernels_can_be_turned_off():
     assert result["writes"] == []
     assert {c[3] for c in result["choices"]} == {"triton"}  # op calls that launch the kernels
     assert sum("in-graph kernels are off" in c[4] for c in result["choices"]) == 13
+
+
+@pytest.mark.slow
+def test_in_graph_kernels_auto_makes_op_calls_only_under_cuda_graphs():
+    import json
+    import os
+
+    results = {}
+    for graphs in ("0", "1"):
+        env = {**os.environ, "FP4COMPILE_IN_GRAPH_KERNELS": "auto", "SIMULATED_CUDA_GRAPHS": graphs}
+        out = subprocess.run([sys.executable, "-c", _SIMULATED], capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[graphs] = json.loads(out.stdout.strip().splitlines()[-1])
+    # Recorded in CUDA graphs: every kernel op stays one op call, and the report says why.
+    recorded = results["1"]
+    assert recorded["after"] == recorded["before"] and recorded["writes"] == []
+    assert sum("recorded in CUDA graphs" in c[4] for c in recorded["choices"]) == 13
+    # Not recorded: the kernels go into the graph, as with in-graph kernels on.
+    assert sum(c[3] == "in-graph triton" for c in results["0"]["choices"]) == 12
+    assert "fp4.quantize.default" not in results["0"]["after"]
 
 
 def test_the_report_says_how_each_quantizer_runs_on_the_cpu(fresh_dynamo):
