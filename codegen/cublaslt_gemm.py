@@ -119,11 +119,9 @@ def log_fallback(err: Exception) -> None:
 
 
 def _alignment(t: torch.Tensor) -> int:
+    """The largest power of two up to 256 that divides the tensor's address."""
     ptr = t.data_ptr()
-    align = 256
-    while align > 1 and ptr % align:
-        align //= 2
-    return align
+    return min(ptr & -ptr, 256) if ptr else 256
 
 
 def _row_major(t: torch.Tensor, rows: int, cols: int):
@@ -257,7 +255,9 @@ def _plan(key, handle):
             f"cuBLASLt has no algorithm for the emulated FP4 GEMM [{m}, {k}] x [{n}, {k}]^T -> {out_dtype} "
             f"(alignments {aligns}): {reason}; FP4COMPILE_EMULATED_GEMM=torch uses torch.mm"
         )
-    return dict(desc=desc, layouts=(layout_b, layout_a, layout_d), results=results)
+    # What every call passes, read out of the heuristic's result once (``results`` stays alive with the plan).
+    return dict(desc=desc, layouts=(layout_b, layout_a, layout_d), results=results, algo=results.ctypes.data,
+                workspace_bytes=int(results["workspace_size"][0]))
 
 
 def mm_alpha(
@@ -310,11 +310,11 @@ def mm_alpha(
             layout_b, layout_a, layout_d = plan["layouts"]
             # A workspace per call, from the caching allocator on this stream: concurrent GEMMs on other
             # streams never share it, and inside a CUDA graph it is one of the graph's temporaries.
-            ws_bytes = int(plan["results"]["workspace_size"][0])
+            ws_bytes = plan["workspace_bytes"]
             workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=a.device) if ws_bytes else None
             lt.matmul(
                 handle, plan["desc"], alpha.data_ptr(), b.data_ptr(), layout_b, a.data_ptr(), layout_a, zero,
-                out.data_ptr(), layout_d, out.data_ptr(), layout_d, plan["results"].ctypes.data,
+                out.data_ptr(), layout_d, out.data_ptr(), layout_d, plan["algo"],
                 workspace.data_ptr() if ws_bytes else 0, ws_bytes, torch.cuda.current_stream(a.device).cuda_stream,
             )
     return out
