@@ -10,6 +10,8 @@ For each GEMM of one transformer block (fprop, dgrad and wgrad of qkv, proj, fc 
   (``FP4COMPILE_EMULATED_GEMM=torch``);
 - ``cuBLASLt alpha``: one cuBLASLt GEMM reading alpha in its epilogue and writing bfloat16
   (``codegen/cublaslt_gemm.py``), alpha's one-launch kernel included;
+- ``cublaslt_mm op``: the form an Inductor graph runs, alpha computed beforehand (in the graph) and the
+  ``fp4.cublaslt_mm`` op called through the dispatcher: the GEMM call alone;
 - ``decode + cuBLASLt``: the packed operands decoded by ``decode_blocks`` (two launches), then the above:
   what an emulated GEMM on packed operands costs;
 - ``packed triton``: the FP4-operand GEMM (``triton_kernels.packed_scaled_mm``), which reads the packed
@@ -73,7 +75,7 @@ def main() -> int:
         return 2
     from triton.testing import do_bench
 
-    from fp4compile import config
+    from fp4compile import config, formats, ops  # noqa: F401  (ops: registers fp4.cublaslt_mm)
     from fp4compile.codegen import cublaslt_gemm as cl
     from fp4compile.codegen import triton_kernels as tk
 
@@ -88,6 +90,7 @@ def main() -> int:
             return gemm(a, amax_a, b, amax_b)
 
     amax_a, amax_b = torch.tensor(3.0e-3, device="cuda"), torch.tensor(7.77e2, device="cuda")
+    alpha = formats.gemm_alpha(amax_a, amax_b)  # what the graph computes before fp4.cublaslt_mm
     base = dict(tk.CONFIGS["packed_mm"])
     sweep = [base] + ([dict(base, **c) for c in SWEEP] if args.sweep else [])
 
@@ -104,6 +107,8 @@ def main() -> int:
         exact_a = torch.randint(-6, 7, (m, k), device="cuda", generator=g).bfloat16()
         exact_b = torch.randint(-6, 7, (n, k), device="cuda", generator=g).bfloat16()
         same = torch.equal(emulated("cublaslt", exact_a, amax_a, exact_b, amax_b), emulated("torch", exact_a, amax_a, exact_b, amax_b))
+        same = same and torch.equal(torch.ops.fp4.cublaslt_mm(exact_a, exact_b, alpha, torch.bfloat16),
+                                    emulated("torch", exact_a, amax_a, exact_b, amax_b))
         # Packed operands whose products sum exactly (codes of halves to 6, block scales 1): every order
         # gives the bits of the decode + torch.mm + epilogue path.
         dgrad = name.endswith("dgrad")
@@ -127,6 +132,8 @@ def main() -> int:
             "bf16": do_bench(lambda: torch.mm(a, b.t()), warmup=25, rep=100, return_mode="median"),
             "torch + epilogue": do_bench(lambda: emulated("torch", a, amax_a, b, amax_b), warmup=25, rep=100, return_mode="median"),
             "cuBLASLt alpha": do_bench(lambda: emulated("cublaslt", a, amax_a, b, amax_b), warmup=25, rep=100, return_mode="median"),
+            "cublaslt_mm op": do_bench(lambda: torch.ops.fp4.cublaslt_mm(a, b, alpha, torch.bfloat16), warmup=25, rep=100,
+                                       return_mode="median"),
             "decode + cuBLASLt": do_bench(decode_then_cublaslt, warmup=25, rep=100, return_mode="median"),
         }
         for i, cfg in enumerate(sweep):
