@@ -19,7 +19,7 @@ implementations.
 | ``fp4.fake_dual_quantize(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t)`` | the two decoded operands of a gradient (1x16, and RHT(x.T)) in one launch |
 | ``fp4.dual_quantize(x, size, fmt, rounding, seed, check, rounding_t, seed_t, check_t, amax, amax_t)`` | the same two quantizations of a gradient, packed (codes and scales of each), in one launch |
 | ``fp4.emulated_mm(a_bd, amax_a, b_bd, amax_b, fmt, out_dtype)`` | emulated FP4 GEMM on block-decoded operands |
-| ``fp4.cublaslt_mm(a_bd, b_bd, alpha, out_dtype)`` | ``fp4.emulated_mm`` as the lowered graphs call cuBLASLt: alpha computed in the graph, one GEMM with alpha in its epilogue |
+| ``fp4.cublaslt_mm(a, b, alpha, out_dtype)`` | ``fp4.emulated_mm`` of block-decoded a, b as the lowered graphs call cuBLASLt: alpha computed in the graph, one GEMM with alpha in its epilogue (not through the executor table) |
 | ``fp4.packed_mm(a, sa, amax_a, b, sb, amax_b, fmt, out_dtype, scale_rule, b_kn)`` | emulated NVFP4 GEMM reading packed operands, decoded in registers (one Triton kernel on CUDA) |
 | ``fp4.record_amax(history, amax)`` | shifts an activation amax history and writes ``amax`` last, in place (``fp4compile.ranges``) |
 | ``fp4.record_stats(stats, slot, x, codes, scales, amax, block, scale_rule)`` | shifts a quantization statistics window and writes the statistics of x's quantization last, in place (``fp4compile.quant_stats``) |
@@ -490,9 +490,9 @@ def _(a, a_amax, b, b_amax, fmt, out_dtype, scale_rule="6"):
 
 # fp4.cublaslt_mm: where cuBLASLt runs an emulated GEMM of a graph Inductor compiles, ``lower_kernels``
 # computes alpha in the graph and leaves this op, the GEMM alone. Defined on a library fragment, its
-# implementations registered straight on their dispatch keys: Inductor's code calls it at every step,
-# and a call through the dispatcher to a plain kernel costs a few microseconds, where a custom op's
-# Python wrapping costs several times that.
+# implementations registered straight on their dispatch keys (not through the executor table: the
+# lowering chose cuBLASLt already): Inductor's code calls it at every step, through the dispatcher
+# straight to its kernel, without a custom op's Python wrapping.
 _library = torch.library.Library("fp4", "FRAGMENT")
 _library.define("cublaslt_mm(Tensor a, Tensor b, Tensor alpha, ScalarType out_dtype) -> Tensor")
 
@@ -503,12 +503,21 @@ def _alpha_product(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, out_dt
     return (acc * alpha).to(out_dtype)
 
 
+_codegen: dict = {}  # the codegen modules the ops call, imported on the first call (the ops import none)
+
+
+def _load_codegen():
+    from fp4compile.codegen import cublaslt_gemm
+
+    _codegen["cublaslt_gemm"] = cublaslt_gemm
+    return cublaslt_gemm
+
+
 def _cublaslt_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """One cuBLASLt GEMM reading alpha in its epilogue (``codegen.cublaslt_gemm.mm_alpha``); a problem
     cuBLASLt has no algorithm for runs ``_alpha_product``, logged once (an error where
     ``FP4COMPILE_EMULATED_GEMM=cublaslt``)."""
-    from fp4compile.codegen import cublaslt_gemm
-
+    cublaslt_gemm = _codegen["cublaslt_gemm"] if _codegen else _load_codegen()
     try:
         return cublaslt_gemm.mm_alpha(a, b, alpha, out_dtype)
     except cublaslt_gemm.Unsupported as err:

@@ -438,6 +438,7 @@ _KIND_BY_TARGET = {
     torch.ops.fp4.fake_dual_quantize.default: "rht_quantize",  # a gradient for dgrad and, with the RHT, wgrad
     torch.ops.fp4.dual_quantize.default: "rht_quantize",  # the same, packed
     torch.ops.fp4.emulated_mm.default: "fp4_gemm",
+    torch.ops.fp4.cublaslt_mm.default: "fp4_gemm",  # an emulated GEMM cuBLASLt runs, its alpha in the graph
     torch.ops.fp4.packed_mm.default: "fp4_gemm",
     torch.ops.fp4.transpose_quantized.default: "quantize",  # the forward's quantized weight, for dgrad
     torch.ops.fp4.decode_blocks.default: "dequantize",

@@ -26,8 +26,9 @@ device; the choice and its reason are stored in the site's ``RoleInfo`` (``kerne
   node read by that GEMM alone is written decoded by its quantizer instead: an ``fp4.fake_quantize`` /
   ``fp4.fake_rht_quantize`` node with the same arguments (seed, check label, metadata, with
   ``decoded=True``), the same codes and scales written as value(code) * block scale in BF16, so no
-  decode pass runs. alpha stays inside ``fp4.emulated_mm`` (applied by the GEMM's epilogue or its
-  epilogue kernel): as graph nodes fused by Inductor into the consumer the bits changed.
+  decode pass runs. The multiply by alpha stays inside ``fp4.emulated_mm`` (applied by the GEMM's
+  epilogue or its epilogue kernel): as graph nodes fused by Inductor into the consumer the bits changed.
+  (``lower_kernels`` may compute alpha itself from the amaxes in the graph: products only.)
 - **FP4-operand GEMM** (``FP4COMPILE_EMULATED_GEMM=packed``, NVFP4, 2-D, on CUDA): ``fp4.packed_mm(a_codes,
   a_scales, a_amax, b_codes, b_scales, b_amax, fmt, dtype)``, one Triton kernel that reads the packed
   operands, decodes them in registers inside its K loop and applies alpha in its epilogue: no decode

@@ -38,9 +38,12 @@ Under Inductor (on any device), each ``fp4.record_amax`` (an activation's amax w
 history) becomes the ATen ops of its implementation, a shift and a copy into the history, which Inductor
 fuses into a kernel of its own instead of calling the op from its code at every step. Likewise each
 ``fp4.emulated_mm`` that cuBLASLt runs (its implementation calls cuBLASLt, so it cannot be traced) becomes
-its alpha as ATen ops (``formats.gemm_alpha``'s three float32 products, one kernel of Inductor's making
-where the op launched three) and ``fp4.cublaslt_mm``, the GEMM alone: a plain dispatcher call from
-Inductor's code, where the op chose its implementation and computed alpha at every step.
+its alpha as ATen ops (``formats.gemm_alpha``'s three float32 products, in a kernel of Inductor's making,
+instead of the op's launch of alpha's kernel) and ``fp4.cublaslt_mm``, the GEMM alone: a dispatcher call
+from Inductor's code straight to its kernel, where the op went through its custom-op wrapping, chose its
+implementation and launched alpha's kernel from Python at every step. Where it declines (an amax that is
+not one float32 value on the operands' device, operand or output types cuBLASLt does not take) the op
+stays, and the report's reason says why.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from fp4compile import config, executors, formats, runtime
 from fp4compile.contracts import broken, contract
 from fp4compile.sites import CompileContext, bound_arguments
-from fp4compile.vocabulary import CUBLASLT_MM, EMULATED_MM, RECORD_AMAX, SR_BASE
+from fp4compile.vocabulary import CUBLASLT_MM, RECORD_AMAX, SR_BASE
 
 KERNEL_OPS = {
     torch.ops.fp4.quantize.default: "fp4.quantize",
@@ -385,19 +388,24 @@ def _record_amax_in_graph(gm: fx.GraphModule, node: fx.Node) -> None:
     graph.erase_node(node)
 
 
-def _cublaslt_in_graph(gm: fx.GraphModule, node: fx.Node, args: dict) -> bool:
+def _cublaslt_in_graph(gm: fx.GraphModule, node: fx.Node, args: dict) -> str:
     """Replace ``fp4.emulated_mm`` that cuBLASLt runs by alpha computed in the graph and ``fp4.cublaslt_mm``
     (the GEMM alone, alpha read in its epilogue). Alpha is ``formats.gemm_alpha``'s three float32
-    products, amax_A * fp32(1/G) times amax_B * fp32(1/G), as ATen ops: Inductor fuses them into a kernel
-    of its own making (one launch where the op made three), and its call from Inductor's code is a plain
-    dispatcher call instead of the op's own, which chose an implementation and computed alpha at every
-    step. False (nothing changed) where an amax is not a float32 value on the operands' device."""
+    products, amax_A * fp32(1/G) times amax_B * fp32(1/G), as ATen ops (multiplies only: nothing for a
+    compiler to contract into an FMA), which Inductor compiles into a kernel of its own making. "" where
+    done; else why not (nothing changed): an amax that is not one float32 value on the operands' device,
+    or operand or output types cuBLASLt does not take (the op then raises or falls back as it does)."""
+    from fp4compile.codegen import cublaslt_gemm
+
     a = args["a"].meta["val"]
     amaxes = [args[name] for name in ("a_amax", "b_amax")]
     values = [_value(x) for x in amaxes]
     if not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.numel() == 1 and v.device == a.device
                for v in values):
-        return False
+        return "alpha computed in the op: an amax is not one float32 value on the operands' device"
+    problem = cublaslt_gemm.dtype_problem(a.dtype, _value(args["b"]).dtype, args["out_dtype"])
+    if problem:
+        return f"the op's call: {problem}"
     # fp32(1/G) exactly, as a Python float: eager kernels and Inductor's code multiply by this float32 value.
     inv = float(torch.tensor(1.0 / formats.global_constant(args["scale_rule"]), dtype=torch.float32))
     graph = gm.graph
@@ -419,7 +427,7 @@ def _cublaslt_in_graph(gm: fx.GraphModule, node: fx.Node, args: dict) -> bool:
             gemm.meta[key] = value
     node.replace_all_uses_with(gemm)
     graph.erase_node(node)
-    return True
+    return ""
 
 
 def _ensures_one_base_per_device(gm: fx.GraphModule, ctx: CompileContext) -> None:
@@ -449,9 +457,12 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
         implementation, reason, entry = _record(args, KERNEL_OPS[node.target][len("fp4."):], inductor, refusal)
         ctx.kernels.append((stage, node.name, KERNEL_OPS[node.target], implementation, reason))
         # Only fp4compile's own cuBLASLt entry: an implementation registered in its place runs as called.
-        if entry is executors.CUBLASLT and inductor and not refusal and _cublaslt_in_graph(gm, node, args):
-            changed = True
-            continue
+        if entry is executors.CUBLASLT and inductor and not refusal:
+            declined = _cublaslt_in_graph(gm, node, args)
+            if not declined:
+                changed = True
+                continue
+            ctx.kernels[-1] = (*ctx.kernels[-1][:4], "; ".join(r for r in (declined, reason) if r))
         if not implementation.startswith("in-graph "):
             continue
         if any(name in args for name in _ROUNDING_ARGS):

@@ -319,7 +319,10 @@ def test_gpu_in_graph_kernels_give_the_bits_of_the_ops(fresh_dynamo, monkeypatch
             outs.append((y.detach().clone(), [p.grad.clone() for p in model.parameters()]))
             model.zero_grad(set_to_none=True)
         results[in_graph] = outs
-        choices = backend.report.quantizer_kernels()
+        every = backend.report.quantizer_kernels()
+        choices = [c for c in every if c[0] != "fp4.emulated_mm"]  # the kernels' ops, less the GEMM's
+        gemms = {impl for op, impl, _ in every if op == "fp4.emulated_mm"}
+        assert gemms == ({"cublaslt"} if gemm == "cublaslt" else {"in-graph triton" if in_graph else "triton"}), gemms
         final = [g for ctx in backend.report.latest for stage, g in ctx.final_graphs.items() if stage in ("forward", "backward")]
         targets = {str(n.target) for g in final for n in g.nodes if n.op == "call_function"}
         if in_graph:
@@ -427,3 +430,12 @@ def test_alpha_in_the_graph_gives_the_bits_of_the_emulated_gemm(monkeypatch):
     for got in (lowered(a, b, a_amax, b_amax), torch.compile(lowered, backend="inductor")(a, b, a_amax, b_amax)):
         for y, y_ref in zip(got, expected):
             assert y.dtype == y_ref.dtype and torch.equal(y, y_ref)
+    # Operands cuBLASLt does not take (float16): the op stays, to raise or fall back as it does, and the
+    # report says why.
+    gm = make_fx(lambda a, b, x, y: torch.ops.fp4.emulated_mm(a, x, b, y, "nvfp4", torch.float16),
+                 tracing_mode="fake")(a.half(), b.half(), a_amax, b_amax)
+    ctx = CompileContext(fp4compile.Recipe(), 0)
+    ctx.inner = "inductor"
+    targets = [n.target for n in lower_kernels(gm, ctx).graph.nodes]
+    assert torch.ops.fp4.emulated_mm.default in targets and torch.ops.fp4.cublaslt_mm.default not in targets
+    assert ctx.kernels[-1][3] == "cublaslt" and "bfloat16 operands" in ctx.kernels[-1][4]
