@@ -25,6 +25,7 @@ __all__ = [
     "dequantize",
     "block_decode",
     "global_decode_scale",
+    "decode_factor",
     "gemm_alpha",
     "SCALE_RULES",
     "global_constant",
@@ -338,9 +339,15 @@ def global_encode_scale(amax: torch.Tensor, scale_rule: str = "6") -> torch.Tens
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
 
 
+def decode_factor(scale_rule: str = "6") -> float:
+    """fp32(1/G), the factor the decode formula multiplies an amax by, as the Python float of that
+    float32 value (exact: multiplying a float32 tensor by it multiplies by the float32 value)."""
+    return float(torch.tensor(1.0 / global_constant(scale_rule), dtype=torch.float32))
+
+
 def global_decode_scale(amax: torch.Tensor, scale_rule: str = "6") -> torch.Tensor:
     """amax / G as the decode formula computes it: amax * fp32(1/G) (G = 2688, or 1536 for "4/6")."""
-    return amax.float() * torch.tensor(1.0 / global_constant(scale_rule), dtype=torch.float32)
+    return amax.float() * torch.tensor(decode_factor(scale_rule), dtype=torch.float32)
 
 
 def gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor, scale_rule: str = "6") -> torch.Tensor:

@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from . import executors, formats, runtime, scale_layout
+from . import executors, formats, reference, runtime, scale_layout
 # The reference GEMM and decode, where the ops' callers have always found them.
 from .reference import block_decode, qtensor as _qtensor, scaled_mm_reference  # noqa: F401
 
@@ -497,38 +497,23 @@ _library = torch.library.Library("fp4", "FRAGMENT")
 _library.define("cublaslt_mm(Tensor a, Tensor b, Tensor alpha, ScalarType out_dtype) -> Tensor")
 
 
-def _alpha_product(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """cast(alpha * (A @ B^T)) with an fp32 product (``reference.decoded_product`` given its alpha)."""
-    acc = torch.mm(a, b.t(), out_dtype=torch.float32) if a.is_cuda else a.float() @ b.float().t()
-    return (acc * alpha).to(out_dtype)
-
-
-_codegen: dict = {}  # the codegen modules the ops call, imported on the first call (the ops import none)
-
-
-def _load_codegen():
-    from fp4compile.codegen import cublaslt_gemm
-
-    _codegen["cublaslt_gemm"] = cublaslt_gemm
-    return cublaslt_gemm
-
-
 def _cublaslt_mm(a: torch.Tensor, b: torch.Tensor, alpha: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """One cuBLASLt GEMM reading alpha in its epilogue (``codegen.cublaslt_gemm.mm_alpha``); a problem
-    cuBLASLt has no algorithm for runs ``_alpha_product``, logged once (an error where
+    cuBLASLt has no algorithm for runs ``reference.alpha_product``, logged once (an error where
     ``FP4COMPILE_EMULATED_GEMM=cublaslt``)."""
-    cublaslt_gemm = _codegen["cublaslt_gemm"] if _codegen else _load_codegen()
+    from fp4compile.codegen import cublaslt_gemm  # the ops import no codegen when they load
+
     try:
         return cublaslt_gemm.mm_alpha(a, b, alpha, out_dtype)
     except cublaslt_gemm.Unsupported as err:
         if cublaslt_gemm.required():
             raise
         cublaslt_gemm.log_fallback(err)
-    return _alpha_product(a, b, alpha, out_dtype)
+    return reference.alpha_product(a, b, alpha, out_dtype)
 
 
 _library.impl("cublaslt_mm", _cublaslt_mm, "CUDA")
-_library.impl("cublaslt_mm", _alpha_product, "CompositeExplicitAutograd")
+_library.impl("cublaslt_mm", reference.alpha_product, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("fp4::cublaslt_mm")

@@ -93,13 +93,19 @@ def packed_product(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype
     return scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt, out_dtype, scale_rule)
 
 
+def alpha_product(a_bd, b_bd, alpha: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """A_bd @ B_bd.T of block-decoded operands in fp32, times ``alpha`` where given, cast."""
+    acc = a_bd.float() @ b_bd.float().transpose(-2, -1)
+    if alpha is not None:
+        acc = acc * alpha
+    return acc.to(out_dtype)
+
+
 def decoded_product(a_bd, a_amax, b_bd, b_amax, fmt: str, out_dtype: torch.dtype, scale_rule: str = "6") -> torch.Tensor:
     """A_bd @ B_bd.T of block-decoded operands in fp32, times alpha (NVFP4, ``formats.gemm_alpha`` of the
     operands' block scale rule), cast."""
-    acc = a_bd.float() @ b_bd.float().transpose(-2, -1)
-    if fmt == "nvfp4":
-        acc = acc * formats.gemm_alpha(a_amax, b_amax, scale_rule)
-    return acc.to(out_dtype)
+    alpha = formats.gemm_alpha(a_amax, b_amax, scale_rule) if fmt == "nvfp4" else None
+    return alpha_product(a_bd, b_bd, alpha, out_dtype)
 
 
 def scaled_mm_reference(a, a_scales, a_amax, b, b_scales, b_amax, fmt: str, out_dtype: torch.dtype,

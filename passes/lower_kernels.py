@@ -363,6 +363,14 @@ def _key_streams(node: fx.Node, args: dict, keys: _StreamKeys) -> None:
         args[seed] = 0
 
 
+def _give_fake_values(nodes, fake_mode) -> None:
+    """Each new node's fake value, computed from its arguments' in ``fake_mode`` (None: as they are)."""
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        for new in nodes:
+            args, kwargs = fx.map_arg((new.args, new.kwargs), lambda a: a.meta["val"])
+            new.meta["val"] = new.target(*args, **kwargs)
+
+
 def _record_amax_in_graph(gm: fx.GraphModule, node: fx.Node) -> None:
     """Replace ``fp4.record_amax(history, amax)`` by the ATen ops of its implementation: the history
     shifted by one with the amax appended (``aten.cat``), copied back into the history (``aten.copy_``, a
@@ -378,10 +386,7 @@ def _record_amax_in_graph(gm: fx.GraphModule, node: fx.Node) -> None:
             newest = graph.call_function(torch.ops.aten._to_copy.default, (newest,), {"dtype": h.dtype})
         shifted = graph.call_function(torch.ops.aten.cat.default, ([older, newest],))
         copied = graph.call_function(torch.ops.aten.copy_.default, (history, shifted))
-    with h.fake_mode:
-        for new in (older, newest, shifted, copied):
-            args, kwargs = fx.map_arg((new.args, new.kwargs), lambda a: a.meta["val"])
-            new.meta["val"] = new.target(*args, **kwargs)
+    _give_fake_values((older, newest, shifted, copied), h.fake_mode)
     for key in ("stack_trace", "fp4_quantize", "fp4_role"):
         if key in node.meta:
             copied.meta[key] = node.meta[key]
@@ -406,8 +411,7 @@ def _cublaslt_in_graph(gm: fx.GraphModule, node: fx.Node, args: dict) -> str:
     problem = cublaslt_gemm.dtype_problem(a.dtype, _value(args["b"]).dtype, args["out_dtype"])
     if problem:
         return f"the op's call: {problem}"
-    # fp32(1/G) exactly, as a Python float: eager kernels and Inductor's code multiply by this float32 value.
-    inv = float(torch.tensor(1.0 / formats.global_constant(args["scale_rule"]), dtype=torch.float32))
+    inv = formats.decode_factor(args["scale_rule"])  # eager kernels and Inductor's code multiply by this float32
     graph = gm.graph
     aten = torch.ops.aten
     with graph.inserting_before(node):
@@ -417,11 +421,7 @@ def _cublaslt_in_graph(gm: fx.GraphModule, node: fx.Node, args: dict) -> str:
         gemm = graph.call_function(CUBLASLT_MM, (args["a"], args["b"], alpha, args["out_dtype"]))
     from torch._guards import detect_fake_mode
 
-    fake_mode = detect_fake_mode([a, *values])
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        for new in (*decode, product, alpha, gemm):
-            call_args, call_kwargs = fx.map_arg((new.args, new.kwargs), lambda x: x.meta["val"])
-            new.meta["val"] = new.target(*call_args, **call_kwargs)
+    _give_fake_values((*decode, product, alpha, gemm), detect_fake_mode([a, *values]))
     for key, value in node.meta.items():
         if key != "val" and (key == "stack_trace" or key.startswith("fp4")):
             gemm.meta[key] = value
@@ -455,14 +455,13 @@ def lower_kernels(gm: fx.GraphModule, ctx: CompileContext) -> fx.GraphModule:
             continue
         args = bound_arguments(node)
         implementation, reason, entry = _record(args, KERNEL_OPS[node.target][len("fp4."):], inductor, refusal)
-        ctx.kernels.append((stage, node.name, KERNEL_OPS[node.target], implementation, reason))
         # Only fp4compile's own cuBLASLt entry: an implementation registered in its place runs as called.
-        if entry is executors.CUBLASLT and inductor and not refusal:
-            declined = _cublaslt_in_graph(gm, node, args)
-            if not declined:
-                changed = True
-                continue
-            ctx.kernels[-1] = (*ctx.kernels[-1][:4], "; ".join(r for r in (declined, reason) if r))
+        declined = _cublaslt_in_graph(gm, node, args) if entry is executors.CUBLASLT and inductor and not refusal else None
+        ctx.kernels.append((stage, node.name, KERNEL_OPS[node.target], implementation,
+                            "; ".join(r for r in (declined, reason) if r)))
+        if declined == "":  # rewritten
+            changed = True
+            continue
         if not implementation.startswith("in-graph "):
             continue
         if any(name in args for name in _ROUNDING_ARGS):
